@@ -1,0 +1,76 @@
+//! Parsing of the attribute's arguments: `consumer = "name", key = <expr>`.
+
+use syn::parse::{Parse, ParseStream};
+use syn::{Expr, LitStr, Token};
+
+mod kw {
+    syn::custom_keyword!(consumer);
+    syn::custom_keyword!(key);
+}
+
+/// The longest consumer name the inbox table's `consumer` column holds.
+pub const MAX_CONSUMER_LEN: usize = 200;
+
+const VALID: &str = "valid arguments are `consumer = \"...\"` and `key = <expression>`";
+
+/// The arguments as written, each at most once.
+pub struct Args {
+    pub consumer: Option<LitStr>,
+    pub key: Option<Expr>,
+}
+
+impl Parse for Args {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        let mut args = Args {
+            consumer: None,
+            key: None,
+        };
+        let mut errors: Option<syn::Error> = None;
+        let mut push = |e: syn::Error| match &mut errors {
+            Some(all) => all.combine(e),
+            None => errors = Some(e),
+        };
+        while !input.is_empty() {
+            let lookahead = input.lookahead1();
+            if lookahead.peek(kw::consumer) {
+                let name = input.parse::<kw::consumer>()?;
+                input.parse::<Token![=]>()?;
+                let value: LitStr = input.parse()?;
+                if args.consumer.is_some() {
+                    push(syn::Error::new(name.span, "`consumer` set multiple times"));
+                } else {
+                    args.consumer = Some(value);
+                }
+            } else if lookahead.peek(kw::key) {
+                let name = input.parse::<kw::key>()?;
+                input.parse::<Token![=]>()?;
+                let value: Expr = input.parse()?;
+                if args.key.is_some() {
+                    push(syn::Error::new(name.span, "`key` set multiple times"));
+                } else {
+                    args.key = Some(value);
+                }
+            } else if input.peek(syn::Ident) {
+                let ident: syn::Ident = input.parse()?;
+                push(syn::Error::new(
+                    ident.span(),
+                    format!("unknown argument `{ident}`; {VALID}"),
+                ));
+                // Skip the rest of this argument so that later ones are still checked.
+                while !input.is_empty() && !input.peek(Token![,]) {
+                    input.parse::<proc_macro2::TokenTree>()?;
+                }
+            } else {
+                return Err(lookahead.error());
+            }
+            if input.is_empty() {
+                break;
+            }
+            input.parse::<Token![,]>()?;
+        }
+        match errors {
+            Some(e) => Err(e),
+            None => Ok(args),
+        }
+    }
+}

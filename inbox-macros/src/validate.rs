@@ -1,0 +1,227 @@
+//! Checks the annotated function and turns it, with the arguments, into the handler's description.
+
+use crate::args::{Args, MAX_CONSUMER_LEN};
+use syn::spanned::Spanned;
+use syn::{Expr, FnArg, GenericArgument, ItemFn, LitStr, Pat, PathArguments, ReturnType, Type};
+
+/// One parameter of the handler: where it stands and what it is.
+pub struct Param {
+    /// Position in the user's parameter list.
+    pub index: usize,
+    /// The binding pattern as written (`msg`, `mut msg`, `Credit { id, .. }`).
+    pub pat: Box<Pat>,
+    /// For the message, its type; for the state, the referent of `&State`.
+    pub ty: Type,
+}
+
+/// A validated handler, ready to expand.
+pub struct Handler {
+    pub func: ItemFn,
+    pub consumer: LitStr,
+    pub key: Option<Expr>,
+    pub message: Param,
+    pub tx: Param,
+    /// The database type named in the transaction argument (`Postgres` in `&mut Tx<Postgres>`).
+    pub db: Type,
+    pub state: Option<Param>,
+    pub ret: Type,
+    pub arity: usize,
+}
+
+#[derive(Default)]
+struct Errors(Option<syn::Error>);
+
+impl Errors {
+    fn push(&mut self, span: proc_macro2::Span, msg: impl std::fmt::Display) {
+        let e = syn::Error::new(span, msg);
+        match &mut self.0 {
+            Some(all) => all.combine(e),
+            None => self.0 = Some(e),
+        }
+    }
+}
+
+const TX_HINT: &str = "add a transaction argument such as `tx: &mut Tx<Postgres>`";
+
+/// Validates `func` against the handler contract; every problem found is reported, each spanned
+/// on the token that causes it.
+pub fn validate(args: Args, func: ItemFn) -> syn::Result<Handler> {
+    let mut errors = Errors::default();
+    let sig = &func.sig;
+
+    if sig.asyncness.is_none() {
+        errors.push(
+            sig.fn_token.span,
+            "`#[idempotent]` handlers must be `async fn`",
+        );
+    }
+    if !sig.generics.params.is_empty() || sig.generics.where_clause.is_some() {
+        errors.push(
+            sig.generics.span(),
+            "`#[idempotent]` handlers cannot be generic",
+        );
+    }
+
+    let consumer = match args.consumer {
+        None => {
+            errors.push(
+                proc_macro2::Span::call_site(),
+                "missing `consumer = \"...\"`: the name under which this handler's markers are stored",
+            );
+            None
+        }
+        Some(lit) => {
+            let value = lit.value();
+            if value.is_empty() {
+                errors.push(lit.span(), "`consumer` must not be empty");
+            } else if value.len() > MAX_CONSUMER_LEN {
+                errors.push(
+                    lit.span(),
+                    format!(
+                        "`consumer` is {} bytes long; at most {MAX_CONSUMER_LEN} bytes fit the inbox table",
+                        value.len()
+                    ),
+                );
+            }
+            Some(lit)
+        }
+    };
+
+    let mut message: Option<Param> = None;
+    let mut tx: Option<(Param, Option<Type>)> = None;
+    let mut state: Option<Param> = None;
+    for (index, input) in sig.inputs.iter().enumerate() {
+        let arg = match input {
+            FnArg::Receiver(r) => {
+                errors.push(r.span(), "`#[idempotent]` handlers cannot take `self`");
+                continue;
+            }
+            FnArg::Typed(arg) => arg,
+        };
+        match &*arg.ty {
+            Type::Reference(r) if r.mutability.is_some() => {
+                if tx.is_some() {
+                    errors.push(
+                        arg.span(),
+                        "only one `&mut` argument is allowed: the transaction",
+                    );
+                    continue;
+                }
+                let db = database_of(&r.elem);
+                if db.is_none() {
+                    errors.push(
+                        r.elem.span(),
+                        "the transaction argument must be `&mut Tx<DB>` (or `&mut sqlx::Transaction<'_, DB>`)",
+                    );
+                }
+                let param = Param {
+                    index,
+                    pat: arg.pat.clone(),
+                    ty: (*r.elem).clone(),
+                };
+                tx = Some((param, db));
+            }
+            Type::Reference(r) => {
+                if state.is_some() {
+                    errors.push(
+                        arg.span(),
+                        "only one `&` argument is allowed: the handler's shared state",
+                    );
+                    continue;
+                }
+                state = Some(Param {
+                    index,
+                    pat: arg.pat.clone(),
+                    ty: (*r.elem).clone(),
+                });
+            }
+            ty => {
+                if message.is_some() {
+                    errors.push(
+                        arg.span(),
+                        "only one message argument (taken by value) is allowed",
+                    );
+                    continue;
+                }
+                message = Some(Param {
+                    index,
+                    pat: arg.pat.clone(),
+                    ty: ty.clone(),
+                });
+            }
+        }
+    }
+    if message.is_none() {
+        errors.push(
+            sig.paren_token.span.join(),
+            "missing message argument: add the decoded message, taken by value, such as `msg: CreditRequested`",
+        );
+    }
+    if tx.is_none() {
+        errors.push(
+            sig.paren_token.span.join(),
+            format!("missing transaction argument: {TX_HINT}"),
+        );
+    }
+
+    let ret = match &sig.output {
+        ReturnType::Default => {
+            errors.push(
+                sig.paren_token.span.close(),
+                "`#[idempotent]` handlers must return `Result<(), E>`",
+            );
+            None
+        }
+        ReturnType::Type(_, ty) => {
+            if !is_result(ty) {
+                errors.push(
+                    ty.span(),
+                    "`#[idempotent]` handlers must return `Result<(), E>`",
+                );
+            }
+            Some((**ty).clone())
+        }
+    };
+
+    if let Some(e) = errors.0 {
+        return Err(e);
+    }
+    // With no errors pushed, every piece is present.
+    let (tx, db) = tx.expect("checked above");
+    Ok(Handler {
+        arity: sig.inputs.len(),
+        consumer: consumer.expect("checked above"),
+        key: args.key,
+        message: message.expect("checked above"),
+        tx,
+        db: db.expect("checked above"),
+        state,
+        ret: ret.expect("checked above"),
+        func,
+    })
+}
+
+/// The last type argument of the last path segment: `Postgres` in `Tx<Postgres>`,
+/// `Tx<'_, Postgres>` and `sqlx::Transaction<'static, sqlx::Postgres>`.
+fn database_of(ty: &Type) -> Option<Type> {
+    let Type::Path(path) = ty else { return None };
+    let last = path.path.segments.last()?;
+    let PathArguments::AngleBracketed(args) = &last.arguments else {
+        return None;
+    };
+    args.args.iter().rev().find_map(|arg| match arg {
+        GenericArgument::Type(t) => Some(t.clone()),
+        _ => None,
+    })
+}
+
+/// `Result<..>`, `io::Result<..>`, `anyhow::Result<..>`: any path whose last segment is `Result`.
+/// The exact shape (`Result<(), E>`) is checked by the compiler through the runtime's
+/// `HandlerResult` trait, on the user's return type.
+fn is_result(ty: &Type) -> bool {
+    match ty {
+        Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Result"),
+        Type::Paren(p) => is_result(&p.elem),
+        _ => false,
+    }
+}

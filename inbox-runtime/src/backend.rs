@@ -1,0 +1,74 @@
+//! What differs per database, behind one trait; the generic code never asks which database it is.
+
+use crate::store::TableName;
+use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
+use std::future::Future;
+
+#[cfg(feature = "postgres")]
+mod postgres;
+
+/// The result of the claim statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// This transaction inserted the marker: it owns the key until it commits or rolls back.
+    New,
+    /// A committed marker for the key exists: the message is a duplicate.
+    Duplicate,
+}
+
+/// One database's inbox SQL: how to begin, claim, and create the table.
+///
+/// Implemented for `sqlx::Postgres` (feature `postgres`).
+pub trait InboxBackend: sqlx::Database {
+    /// The backend's name, for logs and errors.
+    const NAME: &'static str;
+
+    /// The claim statement for `table`, prepared once per [`Inbox`](crate::Inbox). Its binds are
+    /// the consumer and the key.
+    fn claim_sql(table: &TableName) -> SqlStr;
+
+    /// The migrations that create and evolve `table`, in order.
+    fn migration_sql(table: &TableName) -> Vec<String>;
+
+    /// Begins the transaction a message is processed in.
+    fn begin(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_;
+
+    /// Inserts the marker for (`consumer`, `key`) in `tx`, answering whether it was new. A
+    /// concurrent transaction holding the same key makes this wait until that one finishes.
+    fn claim<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Claim, sqlx::Error>> + Send + 'a;
+
+    /// Runs `migrator` on `pool`.
+    fn run_migrator<'a>(
+        pool: &'a Pool<Self>,
+        migrator: &'a Migrator,
+    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a;
+}
+
+/// The migrator for `table`: the backend's migrations, tracked in a migrations table of our own
+/// (`_<table>_migrations`) so that they never mix with the application's `_sqlx_migrations`.
+pub(crate) fn migrator<DB: InboxBackend>(table: &TableName) -> Migrator {
+    let migrations = DB::migration_sql(table)
+        .into_iter()
+        .enumerate()
+        .map(|(i, sql)| {
+            Migration::new(
+                i as i64 + 1,
+                format!("inbox table {table}, step {}", i + 1).into(),
+                MigrationType::Simple,
+                AssertSqlSafe(sql).into_sql_str(),
+                false,
+            )
+        })
+        .collect();
+    let mut migrator = Migrator::with_migrations(migrations);
+    migrator.dangerous_set_table_name(format!("_{table}_migrations"));
+    migrator
+}

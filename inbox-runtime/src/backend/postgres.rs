@@ -1,0 +1,70 @@
+//! PostgreSQL: `INSERT ... ON CONFLICT DO NOTHING RETURNING id` claims; a unique violation would
+//! abort the whole transaction (25P02), so duplicates must be an answer, never an error.
+
+use super::{Claim, InboxBackend};
+use crate::store::TableName;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::{AssertSqlSafe, Pool, Postgres, SqlSafeStr, SqlStr, Transaction};
+use std::future::Future;
+
+impl InboxBackend for Postgres {
+    const NAME: &'static str = "PostgreSQL";
+
+    fn claim_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "INSERT INTO {table} (consumer, message_key, processed_at) VALUES ($1, $2, now()) \
+             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id"
+        ))
+        .into_sql_str()
+    }
+
+    fn migration_sql(table: &TableName) -> Vec<String> {
+        vec![format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                consumer VARCHAR(200) NOT NULL,
+                message_key VARCHAR(255) NOT NULL,
+                received_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+                processed_at TIMESTAMPTZ,
+                lease_until TIMESTAMPTZ,
+                fence BIGINT NOT NULL DEFAULT 0,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                CONSTRAINT {table}_consumer_key_uq UNIQUE (consumer, message_key)
+            );
+            CREATE INDEX IF NOT EXISTS {table}_received_at_idx ON {table} (received_at);"
+        )]
+    }
+
+    fn begin(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_ {
+        pool.begin()
+    }
+
+    fn claim<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Claim, sqlx::Error>> + Send + 'a {
+        async move {
+            let row = sqlx::query(sql)
+                .bind(consumer)
+                .bind(key)
+                .fetch_optional(&mut **tx)
+                .await?;
+            Ok(if row.is_some() {
+                Claim::New
+            } else {
+                Claim::Duplicate
+            })
+        }
+    }
+
+    fn run_migrator<'a>(
+        pool: &'a Pool<Self>,
+        migrator: &'a Migrator,
+    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
+        migrator.run(pool)
+    }
+}

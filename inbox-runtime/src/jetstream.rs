@@ -1,0 +1,486 @@
+//! The JetStream adapter: a durable pull consumer whose messages go through the inbox, and whose
+//! acks follow the outcome. The database decides; JetStream only hears the verdict.
+
+use crate::backend::InboxBackend;
+use crate::handler::{Handler, Outcome};
+use crate::store::{Inbox, ProcessError, message_key};
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::message::Message;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, field};
+
+/// How a committed message is acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AckMode {
+    /// `double_ack`: waits for the server to confirm the ack (default).
+    #[default]
+    Double,
+    /// Plain `ack`: fire and forget; a lost ack means a redelivery, which the marker skips.
+    Plain,
+}
+
+/// A consumer that cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The consumer does not use explicit acks, so nothing ties an ack to a commit.
+    #[error(
+        "consumer {consumer:?} has ack policy {policy:?}; the inbox needs AckPolicy::Explicit so that every message is acked only after its effect is committed"
+    )]
+    AckPolicy {
+        /// The consumer's name.
+        consumer: String,
+        /// Its ack policy.
+        policy: AckPolicy,
+    },
+    /// `concurrency(0)` was asked for.
+    #[error("concurrency must be at least 1")]
+    ZeroConcurrency,
+}
+
+/// Counters of what a worker did, by outcome.
+#[derive(Debug, Default)]
+struct Counters {
+    acked: AtomicU64,
+    skipped: AtomicU64,
+    nacked: AtomicU64,
+    terminated: AtomicU64,
+}
+
+/// A snapshot of a worker's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Messages whose effect this worker committed.
+    pub acked: u64,
+    /// Duplicates this worker acked without running the handler.
+    pub skipped: u64,
+    /// Deliveries nak'd for redelivery (handler or database errors).
+    pub nacked: u64,
+    /// Poison messages terminated.
+    pub terminated: u64,
+}
+
+/// Builds a [`Worker`]: `WorkerBuilder::new(inbox, consumer).concurrency(8).build(handler)`.
+#[derive(Debug)]
+pub struct WorkerBuilder<DB: InboxBackend> {
+    inbox: Inbox<DB>,
+    consumer: PullConsumer,
+    concurrency: Option<usize>,
+    ack_mode: AckMode,
+    fetch_expiry: Duration,
+    nak_delay: (Duration, Duration),
+}
+
+impl<DB: InboxBackend> WorkerBuilder<DB> {
+    /// A builder for a worker that processes `consumer`'s messages through `inbox`.
+    pub fn new(inbox: Inbox<DB>, consumer: PullConsumer) -> Self {
+        WorkerBuilder {
+            inbox,
+            consumer,
+            concurrency: None,
+            ack_mode: AckMode::default(),
+            fetch_expiry: Duration::from_secs(2),
+            nak_delay: (Duration::from_secs(1), Duration::from_secs(30)),
+        }
+    }
+
+    /// At most `n` messages in flight. Capped at the pool's `max_connections` and the consumer's
+    /// `max_ack_pending`; defaults to the pool size.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = Some(n);
+        self
+    }
+
+    /// How committed messages are acked (default [`AckMode::Double`]).
+    pub fn ack_mode(mut self, mode: AckMode) -> Self {
+        self.ack_mode = mode;
+        self
+    }
+
+    /// How long one pull request waits for messages (default 2 s). Shutdown waits at most this long
+    /// for a pull in progress, so that messages it brings are nak'd rather than left to `ack_wait`.
+    pub fn fetch_expiry(mut self, expiry: Duration) -> Self {
+        self.fetch_expiry = expiry;
+        self
+    }
+
+    /// The delay of a nak after a failure: `base * 2^(delivered - 1)`, at most `max`
+    /// (default 1 s and 30 s). Never zero: a nak without delay redelivers at once, a hot loop.
+    pub fn nak_delay(mut self, base: Duration, max: Duration) -> Self {
+        self.nak_delay = (base.max(Duration::from_millis(1)), max);
+        self
+    }
+
+    /// A worker for `handler`, whose state is `()`.
+    pub fn build<H>(self, handler: H) -> Result<Worker<H>, WorkerError>
+    where
+        H: Handler<Db = DB, State = ()>,
+        H::Message: DeserializeOwned,
+    {
+        self.build_with_state(handler, ())
+    }
+
+    /// A worker for `handler`, with the state passed to every call.
+    pub fn build_with_state<H>(self, handler: H, state: H::State) -> Result<Worker<H>, WorkerError>
+    where
+        H: Handler<Db = DB>,
+        H::Message: DeserializeOwned,
+    {
+        let info = self.consumer.cached_info();
+        if info.config.ack_policy != AckPolicy::Explicit {
+            return Err(WorkerError::AckPolicy {
+                consumer: info.name.clone(),
+                policy: info.config.ack_policy,
+            });
+        }
+        if self.concurrency == Some(0) {
+            return Err(WorkerError::ZeroConcurrency);
+        }
+        let pool_size = self.inbox.pool().options().get_max_connections() as usize;
+        let mut concurrency = self.concurrency.unwrap_or(pool_size).min(pool_size);
+        if info.config.max_ack_pending > 0 {
+            concurrency = concurrency.min(info.config.max_ack_pending as usize);
+        }
+        let ack_wait = match info.config.ack_wait {
+            d if d.is_zero() => Duration::from_secs(30),
+            d => d,
+        };
+        Ok(Worker {
+            inner: Arc::new(Inner {
+                inbox: self.inbox,
+                consumer: self.consumer,
+                handler,
+                state,
+                concurrency: concurrency.max(1),
+                ack_mode: self.ack_mode,
+                fetch_expiry: self.fetch_expiry,
+                nak_delay: self.nak_delay,
+                progress_every: ack_wait / 3,
+                counters: Counters::default(),
+            }),
+        })
+    }
+}
+
+/// Serves one handler on one JetStream pull consumer.
+///
+/// ```no_run
+/// # use inbox_runtime::{Inbox, WorkerBuilder, idempotent, Tx};
+/// # use sqlx::Postgres;
+/// # #[derive(serde::Deserialize)] struct Credit { id: String }
+/// # #[idempotent(consumer = "credit", key = msg.id)]
+/// # async fn credit(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> { Ok(()) }
+/// # async fn demo(inbox: Inbox<Postgres>, consumer: async_nats::jetstream::consumer::PullConsumer)
+/// # -> Result<(), Box<dyn std::error::Error>> {
+/// let shutdown = tokio_util::sync::CancellationToken::new();
+/// let worker = WorkerBuilder::new(inbox, consumer).concurrency(8).build(credit)?;
+/// let stats = worker.run_until(shutdown).await;
+/// # Ok(()) }
+/// ```
+pub struct Worker<H: Handler> {
+    inner: Arc<Inner<H>>,
+}
+
+struct Inner<H: Handler> {
+    inbox: Inbox<H::Db>,
+    consumer: PullConsumer,
+    handler: H,
+    state: H::State,
+    concurrency: usize,
+    ack_mode: AckMode,
+    fetch_expiry: Duration,
+    nak_delay: (Duration, Duration),
+    progress_every: Duration,
+    counters: Counters,
+}
+
+impl<H> Worker<H>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    /// How many messages this worker processes at once.
+    pub fn concurrency(&self) -> usize {
+        self.inner.concurrency
+    }
+
+    /// What the worker has done so far.
+    pub fn stats(&self) -> Stats {
+        let c = &self.inner.counters;
+        Stats {
+            acked: c.acked.load(Ordering::Relaxed),
+            skipped: c.skipped.load(Ordering::Relaxed),
+            nacked: c.nacked.load(Ordering::Relaxed),
+            terminated: c.terminated.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Pulls and processes messages until `shutdown` is cancelled; then stops pulling, naks what
+    /// was fetched but not started, lets in-flight handlers finish and ack, and returns the stats.
+    ///
+    /// Pull errors (NATS down, consumer gone) are logged and retried with capped backoff; the
+    /// client reconnects by itself.
+    pub async fn run_until(&self, shutdown: CancellationToken) -> Stats {
+        let inner = &self.inner;
+        let permits = Arc::new(Semaphore::new(inner.concurrency));
+        let tasks = TaskTracker::new();
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+        // The client the acks go through, flushed before returning.
+        let mut client: Option<async_nats::Client> = None;
+        tracing::info!(
+            consumer = H::CONSUMER,
+            durable = %inner.consumer.cached_info().name,
+            concurrency = inner.concurrency,
+            "inbox worker started"
+        );
+
+        'pull: while !shutdown.is_cancelled() {
+            // Fetch only as many messages as can start now: prefetching more than can be processed
+            // within ack_wait turns into redelivery storms.
+            let first = tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break 'pull,
+                p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+            };
+            let mut free = vec![first];
+            while free.len() < inner.concurrency {
+                match permits.clone().try_acquire_owned() {
+                    Ok(p) => free.push(p),
+                    Err(_) => break,
+                }
+            }
+            let request = inner
+                .consumer
+                .batch()
+                .max_messages(free.len())
+                .expires(inner.fetch_expiry)
+                .messages();
+            let mut batch = match request.await {
+                Ok(batch) => batch,
+                Err(e) => {
+                    let wait = backoff.next();
+                    tracing::warn!(error = %e, retry_in = ?wait, "pull request failed");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break 'pull,
+                        _ = tokio::time::sleep(wait) => continue 'pull,
+                    }
+                }
+            };
+            let mut stopping = false;
+            loop {
+                let next = tokio::select! {
+                    biased;
+                    _ = shutdown.cancelled(), if !stopping => {
+                        stopping = true;
+                        continue;
+                    }
+                    next = batch.next() => next,
+                };
+                match next {
+                    None => break,
+                    Some(Err(e)) => {
+                        let wait = backoff.next();
+                        tracing::warn!(error = %e, retry_in = ?wait, "pull failed");
+                        if !stopping {
+                            tokio::select! {
+                                _ = shutdown.cancelled() => {}
+                                _ = tokio::time::sleep(wait) => {}
+                            }
+                        }
+                        break;
+                    }
+                    Some(Ok(message)) => {
+                        backoff.reset();
+                        client.get_or_insert_with(|| message.context.client());
+                        match free.pop() {
+                            Some(permit) if !stopping => {
+                                let inner = self.inner.clone();
+                                tasks.spawn(async move { inner.serve(message, permit).await });
+                            }
+                            // Fetched but not started: give it back at once rather than let it
+                            // wait out ack_wait.
+                            _ => {
+                                if let Err(e) = message.ack_with(AckKind::Nak(None)).await {
+                                    tracing::debug!(error = %e, "nak on shutdown failed");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        tasks.close();
+        tasks.wait().await;
+        if let Some(client) = client
+            && let Err(e) = client.flush().await
+        {
+            tracing::warn!(error = %e, "flushing acks on shutdown failed");
+        }
+        let stats = self.stats();
+        tracing::info!(consumer = H::CONSUMER, ?stats, "inbox worker stopped");
+        stats
+    }
+}
+
+impl<H> Inner<H>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    /// Processes one delivery and answers JetStream according to the outcome.
+    async fn serve(&self, message: Message, permit: OwnedSemaphorePermit) {
+        let _permit = permit;
+        let (transport_id, stream_seq, delivered) = match message.info() {
+            Ok(info) => {
+                let id = message
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_else(|| format!("{}:{}", info.stream, info.stream_sequence));
+                (id, info.stream_sequence, info.delivered)
+            }
+            Err(e) => {
+                tracing::error!(error = %e, subject = %message.subject, "not a JetStream delivery; ignored");
+                return;
+            }
+        };
+        let span = tracing::info_span!(
+            "inbox.message",
+            consumer = H::CONSUMER,
+            key = field::Empty,
+            stream_seq,
+            delivered,
+            outcome = field::Empty,
+        );
+        async {
+            let result = self.process(&message, &transport_id).await;
+            let span = tracing::Span::current();
+            match result {
+                Ok(outcome) => {
+                    span.record("outcome", outcome.as_str());
+                    let acked = match (outcome, self.ack_mode) {
+                        (Outcome::Ack, AckMode::Double) => message.double_ack().await,
+                        _ => message.ack().await,
+                    };
+                    if let Err(e) = acked {
+                        // Committed either way: a redelivery finds the marker and is skipped.
+                        tracing::warn!(error = %e, "ack failed; a redelivery will be skipped");
+                    }
+                    let counter = match outcome {
+                        Outcome::Ack => &self.counters.acked,
+                        Outcome::Skip => &self.counters.skipped,
+                    };
+                    counter.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!("processed");
+                }
+                Err(e) if e.is_permanent() => {
+                    span.record("outcome", "term");
+                    tracing::error!(error = %e, "poison message terminated");
+                    if let Err(e) = message.ack_with(AckKind::Term).await {
+                        tracing::warn!(error = %e, "term failed; the message will be redelivered");
+                    }
+                    self.counters.terminated.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    span.record("outcome", "nak");
+                    let delay = nak_delay(self.nak_delay, delivered);
+                    tracing::warn!(error = %e, retry_in = ?delay, "processing failed; nak");
+                    if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
+                        tracing::warn!(error = %e, "nak failed; redelivered after ack_wait");
+                    }
+                    self.counters.nacked.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Decodes, keys and processes the message, sending progress acks while it runs long.
+    async fn process(
+        &self,
+        message: &Message,
+        transport_id: &str,
+    ) -> Result<Outcome, ProcessError> {
+        let decoded: H::Message =
+            serde_json::from_slice(&message.payload).map_err(|source| ProcessError::Decode {
+                ty: std::any::type_name::<H::Message>(),
+                source,
+            })?;
+        let key = message_key(&self.handler, &self.state, &decoded, Some(transport_id))?;
+        tracing::Span::current().record("key", key.as_str());
+
+        let work = self
+            .inbox
+            .process_keyed(&self.handler, &self.state, decoded, &key);
+        tokio::pin!(work);
+        let every = self.progress_every.max(Duration::from_millis(100));
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                result = &mut work => return result,
+                _ = ticks.tick() => {
+                    // A slow but healthy handler must not be redelivered to another instance.
+                    if let Err(e) = message.ack_with(AckKind::Progress).await {
+                        tracing::debug!(error = %e, "progress ack failed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `base * 2^(delivered - 1)`, capped at `max`.
+fn nak_delay((base, max): (Duration, Duration), delivered: i64) -> Duration {
+    let exp = delivered.saturating_sub(1).clamp(0, 16) as u32;
+    base.saturating_mul(1 << exp).min(max)
+}
+
+/// Capped exponential backoff for pull errors.
+struct Backoff {
+    base: Duration,
+    max: Duration,
+    current: Duration,
+}
+
+impl Backoff {
+    fn new(base: Duration, max: Duration) -> Self {
+        Backoff {
+            base,
+            max,
+            current: base,
+        }
+    }
+
+    fn next(&mut self) -> Duration {
+        let wait = self.current;
+        self.current = (self.current * 2).min(self.max);
+        wait
+    }
+
+    fn reset(&mut self) {
+        self.current = self.base;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nak_delay_grows_and_is_capped() {
+        let cfg = (Duration::from_secs(1), Duration::from_secs(30));
+        assert_eq!(nak_delay(cfg, 1), Duration::from_secs(1));
+        assert_eq!(nak_delay(cfg, 3), Duration::from_secs(4));
+        assert_eq!(nak_delay(cfg, 100), Duration::from_secs(30));
+    }
+}
