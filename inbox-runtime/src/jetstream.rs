@@ -3,6 +3,7 @@
 
 use crate::backend::InboxBackend;
 use crate::handler::{Handler, Outcome};
+use crate::key::KeyError;
 use crate::store::{Inbox, ProcessError, message_key};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
@@ -188,6 +189,15 @@ pub struct Worker<H: Handler> {
     inner: Arc<Inner<H>>,
 }
 
+/// Clones share one worker: its counters, and its state.
+impl<H: Handler> Clone for Worker<H> {
+    fn clone(&self) -> Self {
+        Worker {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
 struct Inner<H: Handler> {
     inbox: Inbox<H::Db>,
     consumer: PullConsumer,
@@ -339,15 +349,11 @@ where
     async fn serve(&self, message: Message, permit: OwnedSemaphorePermit) {
         let _permit = permit;
         let (transport_id, stream_seq, delivered) = match message.info() {
-            Ok(info) => {
-                let id = message
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-                    .map(|v| v.as_str().to_owned())
-                    .unwrap_or_else(|| format!("{}:{}", info.stream, info.stream_sequence));
-                (id, info.stream_sequence, info.delivered)
-            }
+            Ok(info) => (
+                transport_id_of(&message, &info),
+                info.stream_sequence,
+                info.delivered,
+            ),
             Err(e) => {
                 tracing::error!(error = %e, subject = %message.subject, "not a JetStream delivery; ignored");
                 return;
@@ -411,12 +417,7 @@ where
         message: &Message,
         transport_id: &str,
     ) -> Result<Outcome, ProcessError> {
-        let decoded: H::Message =
-            serde_json::from_slice(&message.payload).map_err(|source| ProcessError::Decode {
-                ty: std::any::type_name::<H::Message>(),
-                source,
-            })?;
-        let key = message_key(&self.handler, &self.state, &decoded, Some(transport_id))?;
+        let (decoded, key) = decode_and_key(&self.handler, &self.state, message, transport_id)?;
         tracing::Span::current().record("key", key.as_str());
 
         let work = self
@@ -437,6 +438,58 @@ where
             }
         }
     }
+}
+
+/// The transport id of a JetStream delivery: its `Nats-Msg-Id` header, else
+/// `"{stream}:{stream_sequence}"`, which is the same for every redelivery of the stored message.
+pub fn transport_id(message: &Message) -> Result<String, async_nats::Error> {
+    Ok(transport_id_of(message, &message.info()?))
+}
+
+fn transport_id_of(message: &Message, info: &async_nats::jetstream::message::Info<'_>) -> String {
+    message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_else(|| format!("{}:{}", info.stream, info.stream_sequence))
+}
+
+/// Decodes the payload as JSON and computes the validated key.
+fn decode_and_key<H>(
+    handler: &H,
+    state: &H::State,
+    message: &Message,
+    transport_id: &str,
+) -> Result<(H::Message, String), ProcessError>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    let decoded: H::Message =
+        serde_json::from_slice(&message.payload).map_err(|source| ProcessError::Decode {
+            ty: std::any::type_name::<H::Message>(),
+            source,
+        })?;
+    let key = message_key(handler, state, &decoded, Some(transport_id))?;
+    Ok((decoded, key))
+}
+
+/// Processes one JetStream delivery through `inbox` (decode, key, claim, handler, commit) without
+/// acking it: the core a [`Worker`] wraps, for callers that manage acks themselves.
+pub async fn process_delivery<H>(
+    inbox: &Inbox<H::Db>,
+    handler: &H,
+    state: &H::State,
+    message: &Message,
+) -> Result<Outcome, ProcessError>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    let id = transport_id(message).map_err(|_| KeyError::Missing)?;
+    let (decoded, key) = decode_and_key(handler, state, message, &id)?;
+    inbox.process_keyed(handler, state, decoded, &key).await
 }
 
 /// `base * 2^(delivered - 1)`, capped at `max`.

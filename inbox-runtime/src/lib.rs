@@ -47,7 +47,9 @@ mod store;
 
 pub use backend::{Claim, InboxBackend};
 pub use handler::{BoxError, Handler, HandlerResult, Outcome};
-pub use jetstream::{AckMode, Stats, Worker, WorkerBuilder, WorkerError};
+pub use jetstream::{
+    AckMode, Stats, Worker, WorkerBuilder, WorkerError, process_delivery, transport_id,
+};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
 pub use store::{Inbox, InvalidTableName, ProcessError, Stage, TableName};
 

@@ -1,1 +1,292 @@
+//! Test harness: each test gets its own PostgreSQL database and its own JetStream stream, both
+//! removed when the guard drops (also when the test panics). A service that cannot be reached
+//! fails the test with a message naming it; nothing here skips.
 
+use async_nats::jetstream::{self, consumer::pull, stream};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{AssertSqlSafe, PgPool};
+use std::future::Future;
+use std::time::{Duration, Instant};
+
+pub mod handlers;
+
+/// The PostgreSQL server tests use: `INBOX_TEST_PG_URL`, default the machine's.
+pub fn pg_url() -> String {
+    std::env::var("INBOX_TEST_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+/// The NATS server tests use: `INBOX_TEST_NATS_URL`, default the machine's.
+pub fn nats_url() -> String {
+    std::env::var("INBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+/// A short random suffix for names of databases, streams and consumers.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// Logs to the test's output when `RUST_LOG` is set.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// A fresh PostgreSQL database, dropped with the guard.
+pub struct PgDb {
+    /// The database's name.
+    pub name: String,
+    /// Its URL.
+    pub url: String,
+    /// A pool on it.
+    pub pool: PgPool,
+}
+
+impl PgDb {
+    /// Creates a database with a random name on the test server, with a pool of `max` connections.
+    pub async fn create(max: u32) -> PgDb {
+        let admin_url = pg_url();
+        let admin = PgPool::connect(&admin_url).await.unwrap_or_else(|e| {
+            panic!("PostgreSQL is not reachable at {admin_url}: {e} (start it; see DEVELOPERS.md)")
+        });
+        let name = unique("inbox_t_");
+        sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&admin)
+            .await
+            .expect("CREATE DATABASE");
+        admin.close().await;
+        let url = with_database(&admin_url, &name);
+        let pool = PgPoolOptions::new()
+            .max_connections(max)
+            .connect(&url)
+            .await
+            .expect("connect to the test database");
+        PgDb { name, url, pool }
+    }
+
+    /// `SELECT count(*)` of `sql`'s rows.
+    pub async fn count(&self, sql: &'static str) -> i64 {
+        sqlx::query_scalar::<_, i64>(sql)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
+    /// Sessions of this database currently waiting for a lock.
+    pub async fn lock_waiters(&self) -> i64 {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
+        )
+        .bind(&self.name)
+        .fetch_one(&self.pool)
+        .await
+        .expect("pg_stat_activity")
+    }
+}
+
+impl Drop for PgDb {
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        off_runtime(async move {
+            if let Ok(admin) = PgPool::connect(&pg_url()).await {
+                let _ = sqlx::query(AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                )))
+                .execute(&admin)
+                .await;
+                admin.close().await;
+            }
+        });
+    }
+}
+
+/// `url` with its database replaced by `db`.
+pub fn with_database(url: &str, db: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let head = base.rsplit_once('/').map_or(base, |(h, _)| h);
+    match query {
+        Some(q) => format!("{head}/{db}?{q}"),
+        None => format!("{head}/{db}"),
+    }
+}
+
+/// Runs `fut` to completion on a runtime of its own on another thread: for cleanup from `Drop`,
+/// which may run inside or outside a runtime.
+fn off_runtime<F: Future<Output = ()> + Send + 'static>(fut: F) {
+    let _ = std::thread::spawn(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("cleanup runtime")
+            .block_on(fut)
+    })
+    .join();
+}
+
+/// A fresh JetStream stream with one subject, deleted with the guard.
+pub struct NatsStream {
+    /// The client.
+    pub client: async_nats::Client,
+    /// JetStream on it.
+    pub js: jetstream::Context,
+    /// The stream's name.
+    pub stream: String,
+    /// The stream's only subject.
+    pub subject: String,
+    url: String,
+}
+
+impl NatsStream {
+    /// Creates a stream with random names on the test server.
+    pub async fn create() -> NatsStream {
+        Self::create_at(&nats_url()).await
+    }
+
+    /// Creates a stream with random names on the server at `url`.
+    pub async fn create_at(url: &str) -> NatsStream {
+        let client = connect(url).await;
+        let js = jetstream::new(client.clone());
+        let stream = unique("T_");
+        let subject = format!("t.{}", stream.to_lowercase());
+        js.create_stream(stream::Config {
+            name: stream.clone(),
+            subjects: vec![subject.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("JetStream at {url} cannot create a stream: {e}"));
+        NatsStream {
+            client,
+            js,
+            stream,
+            subject,
+            url: url.to_owned(),
+        }
+    }
+
+    /// Creates (or gets) a durable pull consumer with explicit acks.
+    pub async fn consumer(
+        &self,
+        durable: &str,
+        ack_wait: Duration,
+    ) -> jetstream::consumer::PullConsumer {
+        self.js
+            .get_stream(&self.stream)
+            .await
+            .expect("get stream")
+            .get_or_create_consumer(
+                durable,
+                pull::Config {
+                    durable_name: Some(durable.to_owned()),
+                    ack_wait,
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("create consumer")
+    }
+
+    /// The same consumer, seen through another connection: a second "instance".
+    pub async fn consumer_on_new_connection(
+        &self,
+        durable: &str,
+    ) -> jetstream::consumer::PullConsumer {
+        let js = jetstream::new(connect(&self.url).await);
+        js.get_stream(&self.stream)
+            .await
+            .expect("get stream")
+            .get_consumer(durable)
+            .await
+            .expect("get consumer")
+    }
+
+    /// Publishes each payload (no `Nats-Msg-Id`, so the broker does not dedup) and waits for every
+    /// publish to be stored.
+    pub async fn publish_all<I>(&self, payloads: I)
+    where
+        I: IntoIterator<Item = Vec<u8>>,
+    {
+        let mut acks = Vec::new();
+        for p in payloads {
+            acks.push(
+                self.js
+                    .publish(self.subject.clone(), p.into())
+                    .await
+                    .expect("publish"),
+            );
+        }
+        for ack in acks {
+            ack.await.expect("publish ack");
+        }
+    }
+
+    /// The consumer's current state from the server.
+    pub async fn info(&self, durable: &str) -> async_nats::jetstream::consumer::Info {
+        let mut c: jetstream::consumer::PullConsumer = self
+            .js
+            .get_stream(&self.stream)
+            .await
+            .expect("get stream")
+            .get_consumer(durable)
+            .await
+            .expect("get consumer");
+        c.info().await.expect("consumer info").clone()
+    }
+
+    /// Waits until the consumer has nothing pending and nothing awaiting ack.
+    pub async fn wait_drained(&self, durable: &str) {
+        wait_until("the consumer to drain", Duration::from_secs(90), || async {
+            let info = self.info(durable).await;
+            info.num_pending == 0 && info.num_ack_pending == 0
+        })
+        .await;
+    }
+}
+
+impl Drop for NatsStream {
+    fn drop(&mut self) {
+        let (url, stream) = (self.url.clone(), self.stream.clone());
+        off_runtime(async move {
+            if let Ok(client) = async_nats::connect(&url).await {
+                let _ = jetstream::new(client).delete_stream(&stream).await;
+            }
+        });
+    }
+}
+
+/// Connects to NATS, failing the test with a message that names the server when it cannot.
+pub async fn connect(url: &str) -> async_nats::Client {
+    async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("NATS is not reachable at {url}: {e} (start it; see DEVELOPERS.md)")
+        })
+}
+
+/// Polls `cond` until it holds, failing the test after `deadline`. Never a fixed sleep.
+pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let start = Instant::now();
+    loop {
+        if cond().await {
+            return;
+        }
+        assert!(
+            start.elapsed() < deadline,
+            "timed out after {deadline:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

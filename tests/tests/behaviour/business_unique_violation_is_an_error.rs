@@ -1,0 +1,44 @@
+//! A unique violation in the business write (the business table's own UNIQUE) is an error, never
+//! mistaken for a duplicate: the claim aims at the inbox's key only.
+
+use inbox_runtime::{Inbox, Outcome, ProcessError};
+use inbox_tests::PgDb;
+use inbox_tests::handlers::{Entry, create_tables, payment};
+
+#[tokio::test]
+async fn business_unique_violation_is_an_error_not_a_skip() {
+    let db = PgDb::create(4).await;
+    let inbox = Inbox::new(db.pool.clone());
+    inbox.migrate().await.unwrap();
+    create_tables(&db.pool).await;
+
+    let first = Entry {
+        key: "k1".into(),
+        account: 42,
+        amount: 1,
+    };
+    let same_reference = Entry {
+        key: "k2".into(),
+        ..first.clone()
+    };
+    assert_eq!(
+        inbox.process(&payment, &(), first, None).await.unwrap(),
+        Outcome::Ack
+    );
+    let err = inbox
+        .process(&payment, &(), same_reference, None)
+        .await
+        .unwrap_err();
+    let ProcessError::Handler(source) = &err else {
+        panic!("expected a handler error, got {err:?}")
+    };
+    let sqlx_err = source.downcast_ref::<sqlx::Error>().expect("a sqlx error");
+    assert!(
+        sqlx_err
+            .as_database_error()
+            .is_some_and(|e| e.is_unique_violation()),
+        "unexpected error: {sqlx_err}"
+    );
+    assert_eq!(db.count("SELECT count(*) FROM inbox").await, 1);
+    assert_eq!(db.count("SELECT count(*) FROM payments").await, 1);
+}

@@ -1,0 +1,79 @@
+//! Two instances on one durable consumer, 1,000 unique messages each published twice without
+//! broker dedup: exactly 1,000 effects and 1,000 markers, and afterwards nothing pending.
+
+use inbox_runtime::{Inbox, WorkerBuilder};
+use inbox_tests::handlers::{Entry, Probe, create_tables, ledger};
+use inbox_tests::{NatsStream, PgDb, wait_until};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const UNIQUE: usize = 1_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_apply_each_message_once() {
+    let db = PgDb::create(16).await;
+    let inbox = Inbox::new(db.pool.clone());
+    inbox.migrate().await.unwrap();
+    create_tables(&db.pool).await;
+    let nats = NatsStream::create().await;
+    nats.consumer("c", Duration::from_secs(30)).await;
+
+    // Each message twice, the copy right behind the original, as a producer retry would send it:
+    // the twins often land on different instances at the same time.
+    let entries: Vec<Entry> = (0..UNIQUE)
+        .map(|i| Entry {
+            key: format!("m-{i}"),
+            account: (i % 10) as i64,
+            amount: 1,
+        })
+        .collect();
+    nats.publish_all(entries.iter().flat_map(|e| [e.json(), e.json()]))
+        .await;
+
+    let shutdown = CancellationToken::new();
+    let mut workers = Vec::new();
+    for _ in 0..2 {
+        let consumer = nats.consumer_on_new_connection("c").await;
+        let worker = WorkerBuilder::new(inbox.clone(), consumer)
+            .concurrency(8)
+            .build_with_state(ledger, Probe::open())
+            .unwrap();
+        let run = tokio::spawn({
+            let (worker, shutdown) = (worker.clone(), shutdown.clone());
+            async move { worker.run_until(shutdown).await }
+        });
+        workers.push((worker, run));
+    }
+    wait_until(
+        "every delivery to be handled",
+        Duration::from_secs(120),
+        || async {
+            let done: u64 = workers
+                .iter()
+                .map(|(w, _)| w.stats().acked + w.stats().skipped)
+                .sum();
+            done >= 2 * UNIQUE as u64
+        },
+    )
+    .await;
+    nats.wait_drained("c").await;
+    shutdown.cancel();
+    let mut acked = 0;
+    let mut skipped = 0;
+    for (_, run) in workers {
+        let stats = run.await.unwrap();
+        assert!(stats.acked > 0, "an instance did no work: {stats:?}");
+        acked += stats.acked;
+        skipped += stats.skipped;
+    }
+    assert_eq!(acked, UNIQUE as u64);
+    assert_eq!(skipped, UNIQUE as u64);
+    assert_eq!(db.count("SELECT count(*) FROM ledger").await, UNIQUE as i64);
+    assert_eq!(
+        db.count("SELECT count(DISTINCT key) FROM ledger").await,
+        UNIQUE as i64
+    );
+    assert_eq!(db.count("SELECT count(*) FROM inbox").await, UNIQUE as i64);
+    let info = nats.info("c").await;
+    assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
+}
