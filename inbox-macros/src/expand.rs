@@ -125,17 +125,26 @@ pub fn expand(h: &Handler) -> TokenStream {
 /// The body is untouched.
 fn with_explicit_tx_lifetime(h: &Handler) -> ItemFn {
     let mut func = h.func.clone();
-    if let Some(FnArg::Typed(arg)) = func.sig.inputs.iter_mut().nth(h.tx.index)
-        && let Type::Reference(r) = &mut *arg.ty
-        && let Type::Path(p) = &mut *r.elem
-        && let Some(last) = p.path.segments.last_mut()
-        && let PathArguments::AngleBracketed(args) = &mut last.arguments
-        && !args
-            .args
-            .iter()
-            .any(|a| matches!(a, GenericArgument::Lifetime(_)))
-    {
-        args.args.insert(0, parse_quote!('_));
-    }
+    explicit_mut_ref_lifetimes(&mut func);
     func
+}
+
+/// Writes `'_` into every `&mut Path<..>` parameter type that names no lifetime. Also applied to
+/// the item re-emitted next to a compile error, so that the user sees our error alone.
+pub fn explicit_mut_ref_lifetimes(func: &mut ItemFn) {
+    for input in func.sig.inputs.iter_mut() {
+        if let FnArg::Typed(arg) = input
+            && let Type::Reference(r) = &mut *arg.ty
+            && r.mutability.is_some()
+            && let Type::Path(p) = &mut *r.elem
+            && let Some(last) = p.path.segments.last_mut()
+            && let PathArguments::AngleBracketed(args) = &mut last.arguments
+            && !args
+                .args
+                .iter()
+                .any(|a| matches!(a, GenericArgument::Lifetime(_)))
+        {
+            args.args.insert(0, parse_quote!('_));
+        }
+    }
 }

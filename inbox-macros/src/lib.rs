@@ -13,7 +13,13 @@ use proc_macro::TokenStream;
 /// Turns an `async fn` into an idempotent message handler: see `inbox_runtime::idempotent`.
 #[proc_macro_attribute]
 pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
-    let item2 = proc_macro2::TokenStream::from(item.clone());
+    let fallback = match syn::parse::<syn::ItemFn>(item.clone()) {
+        Ok(mut func) => {
+            expand::explicit_mut_ref_lifetimes(&mut func);
+            quote::quote!(#func)
+        }
+        Err(_) => proc_macro2::TokenStream::from(item.clone()),
+    };
     let result = syn::parse::<args::Args>(attr).and_then(|args| {
         let func = syn::parse::<syn::ItemFn>(item)?;
         let ir = validate::validate(args, func)?;
@@ -25,7 +31,7 @@ pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
         // not a cascade of "cannot find function" errors, and IDEs keep working.
         Err(err) => {
             let mut out = err.to_compile_error();
-            out.extend(item2);
+            out.extend(fallback);
             out.into()
         }
     }

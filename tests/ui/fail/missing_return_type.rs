@@ -1,0 +1,14 @@
+use inbox_runtime::{Tx, idempotent};
+use sqlx::Postgres;
+
+#[derive(serde::Deserialize)]
+struct Credit {
+    id: String,
+}
+
+#[idempotent(consumer = "credit", key = msg.id)]
+async fn credit(msg: Credit, tx: &mut Tx<Postgres>) {
+    let _ = (msg, tx);
+}
+
+fn main() {}
