@@ -22,7 +22,7 @@
 //!     Ok(())
 //! }
 //!
-//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn run() -> Result<(), async_nats::Error> {
 //! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
 //! let inbox = Inbox::new(pool);
 //! inbox.migrate().await?;
@@ -55,9 +55,22 @@ pub use store::{Inbox, InvalidTableName, ProcessError, Stage, TableName};
 
 /// Makes an `async fn` an idempotent message handler.
 ///
-/// ```ignore
+/// ```no_run
+/// use inbox_runtime::{Tx, idempotent};
+/// use sqlx::Postgres;
+///
+/// #[derive(serde::Deserialize)]
+/// struct CreditRequested { id: String, account: i64, amount: i64 }
+///
 /// #[idempotent(consumer = "credit", key = msg.id)]
-/// async fn credit(msg: CreditRequested, tx: &mut Tx<Postgres>) -> Result<(), CreditError> { .. }
+/// async fn credit(msg: CreditRequested, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
+///     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+///         .bind(msg.amount)
+///         .bind(msg.account)
+///         .execute(&mut **tx)
+///         .await?;
+///     Ok(())
+/// }
 /// ```
 ///
 /// - `consumer` (required): a non-empty string literal of at most 200 bytes, stored with every

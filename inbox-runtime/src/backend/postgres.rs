@@ -41,24 +41,22 @@ impl InboxBackend for Postgres {
         pool.begin()
     }
 
-    fn claim<'a, 'c>(
+    async fn claim<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
         sql: SqlStr,
         consumer: &'a str,
         key: &'a str,
-    ) -> impl Future<Output = Result<Claim, sqlx::Error>> + Send + 'a {
-        async move {
-            let row = sqlx::query(sql)
-                .bind(consumer)
-                .bind(key)
-                .fetch_optional(&mut **tx)
-                .await?;
-            Ok(if row.is_some() {
-                Claim::New
-            } else {
-                Claim::Duplicate
-            })
-        }
+    ) -> Result<Claim, sqlx::Error> {
+        let row = sqlx::query(sql)
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(&mut **tx)
+            .await?;
+        Ok(if row.is_some() {
+            Claim::New
+        } else {
+            Claim::Duplicate
+        })
     }
 
     fn run_migrator<'a>(
