@@ -5,8 +5,14 @@ use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::future::Future;
 
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+#[cfg(feature = "sqlite")]
+pub use sqlite::sqlite_options;
 
 /// The result of the claim statement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,7 +25,8 @@ pub enum Claim {
 
 /// One database's inbox SQL: how to begin, claim, and create the table.
 ///
-/// Implemented for `sqlx::Postgres` (feature `postgres`).
+/// Implemented for `sqlx::Postgres` (feature `postgres`), `sqlx::MySql` (feature `mysql`, for MySQL
+/// and MariaDB) and `sqlx::Sqlite` (feature `sqlite`).
 pub trait InboxBackend: sqlx::Database {
     /// The backend's name, for logs and errors.
     const NAME: &'static str;
@@ -44,6 +51,10 @@ pub trait InboxBackend: sqlx::Database {
         consumer: &'a str,
         key: &'a str,
     ) -> impl Future<Output = Result<Claim, sqlx::Error>> + Send + 'a;
+
+    /// Whether a database error is transient (serialization failure, deadlock, lock timeout, busy,
+    /// connection killed): the same message may succeed in a fresh transaction.
+    fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;
 
     /// Runs `migrator` on `pool`.
     fn run_migrator<'a>(
@@ -71,4 +82,18 @@ pub(crate) fn migrator<DB: InboxBackend>(table: &TableName) -> Migrator {
     let mut migrator = Migrator::with_migrations(migrations);
     migrator.dangerous_set_table_name(format!("_{table}_migrations"));
     migrator
+}
+
+/// Whether `err` is worth retrying with a fresh transaction: a transient database error of the
+/// backend, a lost connection, or a pool timeout. Constraint violations and the like are not.
+pub fn is_transient<DB: InboxBackend>(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Database(e) => DB::is_transient_error(e.as_ref()),
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    }
 }

@@ -221,6 +221,11 @@ where
         self.inner.concurrency
     }
 
+    /// The state handed to every call of the handler.
+    pub fn state(&self) -> &H::State {
+        &self.inner.state
+    }
+
     /// What the worker has done so far.
     pub fn stats(&self) -> Stats {
         let c = &self.inner.counters;

@@ -45,7 +45,9 @@ mod jetstream;
 mod key;
 mod store;
 
-pub use backend::{Claim, InboxBackend};
+#[cfg(feature = "sqlite")]
+pub use backend::sqlite_options;
+pub use backend::{Claim, InboxBackend, is_transient};
 pub use handler::{BoxError, Handler, HandlerResult, Outcome};
 pub use jetstream::{
     AckMode, Stats, Worker, WorkerBuilder, WorkerError, process_delivery, transport_id,

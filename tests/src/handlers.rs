@@ -1,8 +1,7 @@
-//! Handlers the behaviour tests run, written with `#[idempotent]` as a user would.
+//! Handlers the behaviour tests run, written with `#[idempotent]` as a user would, once per
+//! backend by [`backend_handlers!`](crate::backend_handlers) (only the SQL dialect differs).
 
-use inbox_runtime::{Tx, idempotent};
 use serde::{Deserialize, Serialize};
-use sqlx::{PgPool, Postgres};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::Notify;
 
@@ -21,17 +20,6 @@ impl Entry {
     /// A message as published.
     pub fn json(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("serialize")
-    }
-}
-
-/// Creates the business tables the test handlers write.
-pub async fn create_tables(pool: &PgPool) {
-    for sql in [
-        "CREATE TABLE ledger (id BIGSERIAL PRIMARY KEY, key TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",
-        "CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL CHECK (balance >= 0))",
-        "CREATE TABLE payments (reference BIGINT NOT NULL UNIQUE)",
-    ] {
-        sqlx::query(sql).execute(pool).await.expect(sql);
     }
 }
 
@@ -75,6 +63,23 @@ impl Probe {
     pub fn release(&self) {
         self.release.notify_one()
     }
+
+    /// Called by the handler as its body starts.
+    pub fn on_run(&self) {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Called by the handler after its write: holds when asked, then fails when asked.
+    pub async fn gate(&self) -> Result<(), LedgerError> {
+        if self.hold {
+            self.entered.notify_one();
+            self.release.notified().await;
+        }
+        if self.fail {
+            return Err(LedgerError::Requested);
+        }
+        Ok(())
+    }
 }
 
 /// A handler's own error.
@@ -88,58 +93,67 @@ pub enum LedgerError {
     Requested,
 }
 
-/// Appends a ledger row; keyed by `msg.key`; steered by the probe.
-#[idempotent(consumer = "ledger", key = msg.key)]
-pub async fn ledger(msg: Entry, tx: &mut Tx<Postgres>, probe: &Probe) -> Result<(), LedgerError> {
-    probe.runs.fetch_add(1, Ordering::SeqCst);
-    sqlx::query("INSERT INTO ledger (key, account, amount) VALUES ($1, $2, $3)")
-        .bind(&msg.key)
-        .bind(msg.account)
-        .bind(msg.amount)
-        .execute(&mut **tx)
-        .await?;
-    if probe.hold {
-        probe.entered.notify_one();
-        probe.release.notified().await;
-    }
-    if probe.fail {
-        return Err(LedgerError::Requested);
-    }
-    Ok(())
-}
+/// Defines, for the database `$db`, the test handlers: `ledger` (keyed by `msg.key`, steered by a
+/// [`Probe`]), `ledger_by_transport_id` (no `key`), `credit` (an upsert that a CHECK constraint can
+/// reject) and `payment` (an insert that a business UNIQUE can reject). The SQL takes the dialect's
+/// placeholders: ledger (key, account, amount), credit (account, amount), payment (account).
+#[macro_export]
+macro_rules! backend_handlers {
+    ($db:ty, ledger = $ledger:literal, credit = $credit:literal, payment = $payment:literal $(,)?) => {
+        use inbox_runtime::{Tx, idempotent};
+        use $crate::handlers::{Entry, LedgerError, Probe};
 
-/// Appends a ledger row; keyed by the transport id (no `key`).
-#[idempotent(consumer = "ledger_by_transport_id")]
-pub async fn ledger_by_transport_id(msg: Entry, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO ledger (key, account, amount) VALUES ($1, $2, $3)")
-        .bind(&msg.key)
-        .bind(msg.account)
-        .bind(msg.amount)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
-}
+        /// Appends a ledger row; keyed by `msg.key`; steered by the probe.
+        #[idempotent(consumer = "ledger", key = msg.key)]
+        pub async fn ledger(
+            msg: Entry,
+            tx: &mut Tx<$db>,
+            probe: &Probe,
+        ) -> Result<(), LedgerError> {
+            probe.on_run();
+            sqlx::query($ledger)
+                .bind(&msg.key)
+                .bind(msg.account)
+                .bind(msg.amount)
+                .execute(&mut **tx)
+                .await?;
+            probe.gate().await
+        }
 
-/// Credits an account; a balance below zero violates a CHECK constraint.
-#[idempotent(consumer = "credit", key = msg.key)]
-pub async fn credit(msg: Entry, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
-         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-    )
-    .bind(msg.account)
-    .bind(msg.amount)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
+        /// Appends a ledger row; keyed by the transport id.
+        #[idempotent(consumer = "ledger_by_transport_id")]
+        pub async fn ledger_by_transport_id(
+            msg: Entry,
+            tx: &mut Tx<$db>,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::query($ledger)
+                .bind(&msg.key)
+                .bind(msg.account)
+                .bind(msg.amount)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        }
 
-/// Records a payment whose reference (`msg.account`) is UNIQUE in the business table.
-#[idempotent(consumer = "payment", key = msg.key)]
-pub async fn payment(msg: Entry, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO payments (reference) VALUES ($1)")
-        .bind(msg.account)
-        .execute(&mut **tx)
-        .await?;
-    Ok(())
+        /// Credits an account; a balance below zero violates a CHECK constraint.
+        #[idempotent(consumer = "credit", key = msg.key)]
+        pub async fn credit(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
+            sqlx::query($credit)
+                .bind(msg.account)
+                .bind(msg.amount)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        }
+
+        /// Records a payment whose reference (`msg.account`) is UNIQUE in the business table.
+        #[idempotent(consumer = "payment", key = msg.key)]
+        pub async fn payment(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
+            sqlx::query($payment)
+                .bind(msg.account)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        }
+    };
 }

@@ -1,20 +1,15 @@
-//! Test harness: each test gets its own PostgreSQL database and its own JetStream stream, both
-//! removed when the guard drops (also when the test panics). A service that cannot be reached
-//! fails the test with a message naming it; nothing here skips.
+//! Test harness: each test gets its own database (PostgreSQL, MariaDB or SQLite; see
+//! [`backends`]) and its own JetStream stream, both removed when the guard drops (also when the
+//! test panics). A service that cannot be reached fails the test with a message naming it;
+//! nothing here skips. [`suite`] holds the behaviours every backend must show.
 
 use async_nats::jetstream::{self, consumer::pull, stream};
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{AssertSqlSafe, PgPool};
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+pub mod backends;
 pub mod handlers;
-
-/// The PostgreSQL server tests use: `INBOX_TEST_PG_URL`, default the machine's.
-pub fn pg_url() -> String {
-    std::env::var("INBOX_TEST_PG_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
-}
+pub mod suite;
 
 /// The NATS server tests use: `INBOX_TEST_NATS_URL`, default the machine's.
 pub fn nats_url() -> String {
@@ -37,89 +32,9 @@ pub fn init_tracing() {
         .try_init();
 }
 
-/// A fresh PostgreSQL database, dropped with the guard.
-pub struct PgDb {
-    /// The database's name.
-    pub name: String,
-    /// Its URL.
-    pub url: String,
-    /// A pool on it.
-    pub pool: PgPool,
-}
-
-impl PgDb {
-    /// Creates a database with a random name on the test server, with a pool of `max` connections.
-    pub async fn create(max: u32) -> PgDb {
-        let admin_url = pg_url();
-        let admin = PgPool::connect(&admin_url).await.unwrap_or_else(|e| {
-            panic!("PostgreSQL is not reachable at {admin_url}: {e} (start it; see DEVELOPERS.md)")
-        });
-        let name = unique("inbox_t_");
-        sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&admin)
-            .await
-            .expect("CREATE DATABASE");
-        admin.close().await;
-        let url = with_database(&admin_url, &name);
-        let pool = PgPoolOptions::new()
-            .max_connections(max)
-            .connect(&url)
-            .await
-            .expect("connect to the test database");
-        PgDb { name, url, pool }
-    }
-
-    /// `SELECT count(*)` of `sql`'s rows.
-    pub async fn count(&self, sql: &'static str) -> i64 {
-        sqlx::query_scalar::<_, i64>(sql)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e}"))
-    }
-
-    /// Sessions of this database currently waiting for a lock.
-    pub async fn lock_waiters(&self) -> i64 {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(&self.name)
-        .fetch_one(&self.pool)
-        .await
-        .expect("pg_stat_activity")
-    }
-}
-
-impl Drop for PgDb {
-    fn drop(&mut self) {
-        let name = self.name.clone();
-        off_runtime(async move {
-            if let Ok(admin) = PgPool::connect(&pg_url()).await {
-                let _ = sqlx::query(AssertSqlSafe(format!(
-                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                )))
-                .execute(&admin)
-                .await;
-                admin.close().await;
-            }
-        });
-    }
-}
-
-/// `url` with its database replaced by `db`.
-pub fn with_database(url: &str, db: &str) -> String {
-    let (base, query) = url
-        .split_once('?')
-        .map_or((url, None), |(b, q)| (b, Some(q)));
-    let head = base.rsplit_once('/').map_or(base, |(h, _)| h);
-    match query {
-        Some(q) => format!("{head}/{db}?{q}"),
-        None => format!("{head}/{db}"),
-    }
-}
-
 /// Runs `fut` to completion on a runtime of its own on another thread: for cleanup from `Drop`,
 /// which may run inside or outside a runtime.
-fn off_runtime<F: Future<Output = ()> + Send + 'static>(fut: F) {
+pub(crate) fn off_runtime<F: Future<Output = ()> + Send + 'static>(fut: F) {
     let _ = std::thread::spawn(move || {
         tokio::runtime::Builder::new_current_thread()
             .enable_all()

@@ -59,6 +59,18 @@ impl InboxBackend for Postgres {
         })
     }
 
+    fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 40001 serialization failure, 40P01 deadlock, 55P03 lock not available, 57P01-03 the
+        // server is shutting down or the backend was terminated, 53300 too many connections, and
+        // class 08 (connection exceptions).
+        err.code().is_some_and(|c| {
+            matches!(
+                &*c,
+                "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300"
+            ) || c.starts_with("08")
+        })
+    }
+
     fn run_migrator<'a>(
         pool: &'a Pool<Self>,
         migrator: &'a Migrator,

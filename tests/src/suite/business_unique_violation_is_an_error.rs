@@ -1,17 +1,14 @@
 //! A unique violation in the business write (the business table's own UNIQUE) is an error, never
 //! mistaken for a duplicate: the claim aims at the inbox's key only.
 
-use inbox_runtime::{Inbox, Outcome, ProcessError};
-use inbox_tests::PgDb;
-use inbox_tests::handlers::{Entry, create_tables, payment};
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::Entry;
+use inbox_runtime::{Outcome, ProcessError};
 
-#[tokio::test]
-async fn business_unique_violation_is_an_error_not_a_skip() {
-    let db = PgDb::create(4).await;
-    let inbox = Inbox::new(db.pool.clone());
-    inbox.migrate().await.unwrap();
-    create_tables(&db.pool).await;
-
+/// The test.
+pub async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
     let first = Entry {
         key: "k1".into(),
         account: 42,
@@ -21,6 +18,7 @@ async fn business_unique_violation_is_an_error_not_a_skip() {
         key: "k2".into(),
         ..first.clone()
     };
+    let payment = B::Payment::default();
     assert_eq!(
         inbox.process(&payment, &(), first, None).await.unwrap(),
         Outcome::Ack
@@ -39,6 +37,6 @@ async fn business_unique_violation_is_an_error_not_a_skip() {
             .is_some_and(|e| e.is_unique_violation()),
         "unexpected error: {sqlx_err}"
     );
-    assert_eq!(db.count("SELECT count(*) FROM inbox").await, 1);
-    assert_eq!(db.count("SELECT count(*) FROM payments").await, 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM payments").await, 1);
 }

@@ -2,19 +2,18 @@
 //! is acked; the effect stays single. The key here is the transport id (`stream:sequence`), which
 //! must be the same for the redelivery.
 
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::Entry;
+use crate::{NatsStream, wait_until};
 use futures::StreamExt;
-use inbox_runtime::{Inbox, Outcome, WorkerBuilder, process_delivery};
-use inbox_tests::handlers::{Entry, create_tables, ledger_by_transport_id};
-use inbox_tests::{NatsStream, PgDb, wait_until};
+use inbox_runtime::{Outcome, WorkerBuilder, process_delivery};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-#[tokio::test]
-async fn committed_but_not_acked_is_skipped_on_redelivery() {
-    let db = PgDb::create(4).await;
-    let inbox = Inbox::new(db.pool.clone());
-    inbox.migrate().await.unwrap();
-    create_tables(&db.pool).await;
+/// The test.
+pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     // A short ack_wait, so that the unacked delivery comes back quickly.
     let consumer = nats.consumer("c", Duration::from_secs(1)).await;
@@ -25,12 +24,13 @@ async fn committed_but_not_acked_is_skipped_on_redelivery() {
     }
     .json()])
         .await;
+    let handler = B::LedgerByTransportId::default();
 
     // The first instance commits and never acks.
     let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
     let first = batch.next().await.expect("a delivery").unwrap();
     assert_eq!(
-        process_delivery(&inbox, &ledger_by_transport_id, &(), &first)
+        process_delivery(&inbox, &handler, &(), &first)
             .await
             .unwrap(),
         Outcome::Ack
@@ -38,9 +38,7 @@ async fn committed_but_not_acked_is_skipped_on_redelivery() {
     drop(first);
     drop(batch);
 
-    let worker = WorkerBuilder::new(inbox, consumer)
-        .build(ledger_by_transport_id)
-        .unwrap();
+    let worker = WorkerBuilder::new(inbox, consumer).build(handler).unwrap();
     let shutdown = CancellationToken::new();
     let run = tokio::spawn({
         let (worker, shutdown) = (worker.clone(), shutdown.clone());
@@ -61,6 +59,6 @@ async fn committed_but_not_acked_is_skipped_on_redelivery() {
     let info = nats.info("c").await;
     assert_eq!(info.delivered.stream_sequence, 1);
     assert_eq!(info.delivered.consumer_sequence, 2);
-    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 1);
-    assert_eq!(db.count("SELECT count(*) FROM inbox").await, 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }

@@ -1,16 +1,15 @@
-//! Empty keys and keys over 255 bytes are rejected before any transaction begins.
+//! Empty keys, keys over 255 bytes and missing keys are rejected before any transaction begins.
 
-use inbox_runtime::{Inbox, KeyError, Outcome, ProcessError};
-use inbox_tests::PgDb;
-use inbox_tests::handlers::{Entry, Probe, create_tables, ledger, ledger_by_transport_id};
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::{Entry, Probe};
+use inbox_runtime::{KeyError, Outcome, ProcessError};
 
-#[tokio::test]
-async fn empty_and_long_keys_are_rejected() {
-    let db = PgDb::create(2).await;
-    let inbox = Inbox::new(db.pool.clone());
-    inbox.migrate().await.unwrap();
-    create_tables(&db.pool).await;
+/// The test.
+pub async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
     let probe = Probe::open();
+    let ledger = B::Ledger::default();
     let entry = |key: String| Entry {
         key,
         account: 1,
@@ -24,23 +23,31 @@ async fn empty_and_long_keys_are_rejected() {
     assert!(matches!(err, ProcessError::Key(KeyError::Empty)), "{err:?}");
     assert!(err.is_permanent());
     let err = inbox
-        .process(&ledger, &probe, entry("x".repeat(256)), None)
+        .process(&ledger, &probe, entry("é".repeat(128)), None)
         .await
         .unwrap_err();
     assert!(
         matches!(err, ProcessError::Key(KeyError::TooLong(256))),
         "{err:?}"
     );
+    // 255 bytes fit, multi-byte characters included.
+    let longest = format!("{}x", "é".repeat(127));
+    assert_eq!(longest.len(), 255);
     assert_eq!(
         inbox
-            .process(&ledger, &probe, entry("x".repeat(255)), None)
+            .process(&ledger, &probe, entry(longest), None)
             .await
             .unwrap(),
         Outcome::Ack
     );
     // Without a `key`, the transport id is the key; with neither there is nothing to dedup on.
     let err = inbox
-        .process(&ledger_by_transport_id, &(), entry("a".into()), None)
+        .process(
+            &B::LedgerByTransportId::default(),
+            &(),
+            entry("a".into()),
+            None,
+        )
         .await
         .unwrap_err();
     assert!(
@@ -48,5 +55,5 @@ async fn empty_and_long_keys_are_rejected() {
         "{err:?}"
     );
     assert_eq!(probe.runs(), 1);
-    assert_eq!(db.count("SELECT count(*) FROM inbox").await, 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }

@@ -1,20 +1,20 @@
-//! Two instances on one durable consumer, 1,000 unique messages each published twice without
-//! broker dedup: exactly 1,000 effects and 1,000 markers, and afterwards nothing pending.
+//! Two instances (each its own pool and NATS connection) on one durable consumer, 1,000 unique
+//! messages each published twice without broker dedup: exactly 1,000 effects and 1,000 markers,
+//! and afterwards nothing pending.
 
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::{Entry, Probe};
+use crate::{NatsStream, wait_until};
 use inbox_runtime::{Inbox, WorkerBuilder};
-use inbox_tests::handlers::{Entry, Probe, create_tables, ledger};
-use inbox_tests::{NatsStream, PgDb, wait_until};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 const UNIQUE: usize = 1_000;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_instances_apply_each_message_once() {
-    let db = PgDb::create(16).await;
-    let inbox = Inbox::new(db.pool.clone());
-    inbox.migrate().await.unwrap();
-    create_tables(&db.pool).await;
+/// The test.
+pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
+    let (db, _) = setup::<B>(2).await;
     let nats = NatsStream::create().await;
     nats.consumer("c", Duration::from_secs(30)).await;
 
@@ -33,10 +33,10 @@ async fn two_instances_apply_each_message_once() {
     let shutdown = CancellationToken::new();
     let mut workers = Vec::new();
     for _ in 0..2 {
+        let inbox = Inbox::new(B::connect(&db.url, 8).await);
         let consumer = nats.consumer_on_new_connection("c").await;
-        let worker = WorkerBuilder::new(inbox.clone(), consumer)
-            .concurrency(8)
-            .build_with_state(ledger, Probe::open())
+        let worker = WorkerBuilder::new(inbox, consumer)
+            .build_with_state(B::Ledger::default(), Probe::open())
             .unwrap();
         let run = tokio::spawn({
             let (worker, shutdown) = (worker.clone(), shutdown.clone());
@@ -46,7 +46,7 @@ async fn two_instances_apply_each_message_once() {
     }
     wait_until(
         "every delivery to be handled",
-        Duration::from_secs(120),
+        Duration::from_secs(180),
         || async {
             let done: u64 = workers
                 .iter()
@@ -68,12 +68,14 @@ async fn two_instances_apply_each_message_once() {
     }
     assert_eq!(acked, UNIQUE as u64);
     assert_eq!(skipped, UNIQUE as u64);
-    assert_eq!(db.count("SELECT count(*) FROM ledger").await, UNIQUE as i64);
+    let rows = B::count(&db, "SELECT count(*) FROM ledger").await;
+    assert_eq!(rows, UNIQUE as i64);
+    let keys = B::count(&db, "SELECT count(DISTINCT msg_key) FROM ledger").await;
+    assert_eq!(keys, UNIQUE as i64);
     assert_eq!(
-        db.count("SELECT count(DISTINCT key) FROM ledger").await,
+        B::count(&db, "SELECT count(*) FROM inbox").await,
         UNIQUE as i64
     );
-    assert_eq!(db.count("SELECT count(*) FROM inbox").await, UNIQUE as i64);
     let info = nats.info("c").await;
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
 }

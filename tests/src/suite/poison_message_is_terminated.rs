@@ -1,18 +1,17 @@
 //! A payload that does not decode, or whose key is empty or too long, is terminated, and the
 //! messages behind it are processed.
 
-use inbox_runtime::{Inbox, WorkerBuilder};
-use inbox_tests::handlers::{Entry, Probe, create_tables, ledger};
-use inbox_tests::{NatsStream, PgDb, wait_until};
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::{Entry, Probe};
+use crate::{NatsStream, wait_until};
+use inbox_runtime::WorkerBuilder;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-#[tokio::test]
-async fn poison_is_terminated_and_does_not_block() {
-    let db = PgDb::create(4).await;
-    let inbox = Inbox::new(db.pool.clone());
-    inbox.migrate().await.unwrap();
-    create_tables(&db.pool).await;
+/// The test.
+pub async fn poison_is_terminated_and_does_not_block<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     let entry = |key: String| {
@@ -35,7 +34,7 @@ async fn poison_is_terminated_and_does_not_block() {
     // One at a time: the poison at the head must not block what follows.
     let worker = WorkerBuilder::new(inbox, consumer)
         .concurrency(1)
-        .build_with_state(ledger, Probe::open())
+        .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
     let shutdown = CancellationToken::new();
     let run = tokio::spawn({
@@ -55,6 +54,6 @@ async fn poison_is_terminated_and_does_not_block() {
     shutdown.cancel();
     let stats = run.await.unwrap();
     assert_eq!(stats.nacked, 0);
-    assert_eq!(db.count("SELECT count(*) FROM ledger").await, 5);
-    assert_eq!(db.count("SELECT count(*) FROM inbox").await, 5);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 5);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 5);
 }

@@ -1,0 +1,93 @@
+//! MySQL and MariaDB: the claim is `INSERT .. ON DUPLICATE KEY UPDATE dup_count = dup_count + 1`.
+//! sqlx sets CLIENT_FOUND_ROWS, so rows_affected is 1 for a new row and 2 for a duplicate (an
+//! `id = id` update would report 1 for both). Never `INSERT IGNORE`: it turns NOT NULL and
+//! truncation errors into warnings.
+//!
+//! Inbox transactions run at READ COMMITTED. Under REPEATABLE READ (InnoDB's default) the
+//! business statements take gap and next-key locks on ranges they scan, so concurrent handlers
+//! deadlock far more often; the inbox needs no repeatable reads, since the unique key decides.
+//! The isolation level is set in the same round trip as `START TRANSACTION`.
+
+use super::{Claim, InboxBackend};
+use crate::store::TableName;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::{AssertSqlSafe, MySql, Pool, SqlSafeStr, SqlStr, Transaction};
+use std::future::Future;
+
+impl InboxBackend for MySql {
+    const NAME: &'static str = "MySQL";
+
+    fn claim_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "INSERT INTO {table} (consumer, message_key, processed_at) \
+             VALUES (?, ?, CURRENT_TIMESTAMP(6)) \
+             ON DUPLICATE KEY UPDATE dup_count = dup_count + 1"
+        ))
+        .into_sql_str()
+    }
+
+    fn migration_sql(table: &TableName) -> Vec<String> {
+        // Binary collation: keys "A" and "a" are different messages.
+        vec![format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                consumer VARCHAR(200) NOT NULL,
+                message_key VARCHAR(255) NOT NULL,
+                received_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+                processed_at TIMESTAMP(6) NULL,
+                lease_until TIMESTAMP(6) NULL,
+                fence BIGINT NOT NULL DEFAULT 0,
+                attempts INT NOT NULL DEFAULT 0,
+                dup_count BIGINT NOT NULL DEFAULT 0,
+                UNIQUE KEY {table}_consumer_key_uq (consumer, message_key),
+                KEY {table}_received_at_idx (received_at)
+            ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
+        )]
+    }
+
+    fn begin(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_ {
+        pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+    }
+
+    async fn claim<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> Result<Claim, sqlx::Error> {
+        let done = sqlx::query(sql)
+            .bind(consumer)
+            .bind(key)
+            .execute(&mut **tx)
+            .await?;
+        match done.rows_affected() {
+            1 => Ok(Claim::New),
+            2 => Ok(Claim::Duplicate),
+            n => Err(sqlx::Error::Protocol(format!(
+                "the inbox claim affected {n} rows; expected 1 (new) or 2 (duplicate)"
+            ))),
+        }
+    }
+
+    fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // The error number, not the SQLSTATE (which is a coarse 40001 or HY000): 1213 deadlock,
+        // 1205 lock wait timeout, 1040 too many connections, 1053 server shutdown, 1927
+        // connection killed (MariaDB), 2006 gone away, 2013 lost connection, 4031 idle timeout.
+        err.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|e| {
+                matches!(
+                    e.number(),
+                    1213 | 1205 | 1040 | 1053 | 1927 | 2006 | 2013 | 4031
+                )
+            })
+    }
+
+    fn run_migrator<'a>(
+        pool: &'a Pool<Self>,
+        migrator: &'a Migrator,
+    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
+        migrator.run(pool)
+    }
+}

@@ -1,0 +1,108 @@
+//! SQLite: one writer at a time. Every inbox transaction is `BEGIN IMMEDIATE`, taking the write
+//! lock up front: a deferred transaction that reads and then writes after another writer committed
+//! fails at once with BUSY_SNAPSHOT (517). The claim is `INSERT .. ON CONFLICT DO NOTHING
+//! RETURNING id`. Use WAL and a busy timeout (see [`sqlite_options`](crate::sqlite_options)).
+
+use super::{Claim, InboxBackend};
+use crate::store::TableName;
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Sqlite, Transaction};
+use std::future::Future;
+
+/// A timestamp with milliseconds, as ISO 8601 text that sorts as time does.
+const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
+
+impl InboxBackend for Sqlite {
+    const NAME: &'static str = "SQLite";
+
+    fn claim_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "INSERT INTO {table} (consumer, message_key, processed_at) VALUES (?1, ?2, {NOW}) \
+             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id"
+        ))
+        .into_sql_str()
+    }
+
+    fn migration_sql(table: &TableName) -> Vec<String> {
+        vec![format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                consumer TEXT NOT NULL CHECK (length(consumer) BETWEEN 1 AND 200),
+                message_key TEXT NOT NULL CHECK (length(CAST(message_key AS BLOB)) BETWEEN 1 AND 255),
+                received_at TEXT NOT NULL DEFAULT ({NOW}),
+                processed_at TEXT,
+                lease_until TEXT,
+                fence INTEGER NOT NULL DEFAULT 0,
+                attempts INTEGER NOT NULL DEFAULT 0,
+                CONSTRAINT {table}_consumer_key_uq UNIQUE (consumer, message_key)
+            );
+            CREATE INDEX IF NOT EXISTS {table}_received_at_idx ON {table} (received_at);"
+        )]
+    }
+
+    fn begin(
+        pool: &Pool<Self>,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_ {
+        pool.begin_with("BEGIN IMMEDIATE")
+    }
+
+    async fn claim<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> Result<Claim, sqlx::Error> {
+        let row = sqlx::query(sql)
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(&mut **tx)
+            .await?;
+        Ok(if row.is_some() {
+            Claim::New
+        } else {
+            Claim::Duplicate
+        })
+    }
+
+    fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // The extended result code; its low byte is the primary code: SQLITE_BUSY (5, with
+        // BUSY_RECOVERY 261, BUSY_SNAPSHOT 517, BUSY_TIMEOUT 773) and SQLITE_LOCKED (6, with
+        // LOCKED_SHAREDCACHE 262).
+        err.code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+    }
+
+    async fn run_migrator<'a>(
+        pool: &'a Pool<Self>,
+        migrator: &'a Migrator,
+    ) -> Result<(), MigrateError> {
+        // sqlx takes no lock for SQLite migrations: two processes starting together can both find
+        // the migration unapplied, and the second then fails to record it. The DDL is idempotent,
+        // so a second attempt, which sees it recorded, settles it.
+        match migrator.run(pool).await {
+            Ok(()) => Ok(()),
+            Err(first) => {
+                tracing::debug!(error = %first, "SQLite migration raced another process; retrying");
+                migrator.run(pool).await
+            }
+        }
+    }
+}
+
+/// Connect options for an inbox on SQLite: WAL (readers do not block the writer), a busy timeout
+/// (writers queue for the lock instead of failing at once), `synchronous = NORMAL` (durable at
+/// checkpoints, safe with WAL), and the file created when missing.
+///
+/// ```
+/// let options = inbox_runtime::sqlite_options("sqlite://target/inbox.db").unwrap();
+/// ```
+pub fn sqlite_options(url: &str) -> Result<sqlx::sqlite::SqliteConnectOptions, sqlx::Error> {
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
+    use std::str::FromStr;
+    Ok(SqliteConnectOptions::from_str(url)?
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Normal)
+        .busy_timeout(std::time::Duration::from_secs(30))
+        .create_if_missing(true))
+}

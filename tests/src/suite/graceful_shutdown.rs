@@ -1,0 +1,74 @@
+//! Shutdown while a handler is in flight: the worker stops pulling, the in-flight handler commits
+//! and acks, and what was not started stays with JetStream for the next instance.
+
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::{Entry, Probe};
+use crate::{NatsStream, wait_until};
+use inbox_runtime::WorkerBuilder;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// The test.
+pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    nats.consumer("c", Duration::from_secs(30)).await;
+    let entries: Vec<Vec<u8>> = (0..5)
+        .map(|i| {
+            Entry {
+                key: format!("m-{i}"),
+                account: 1,
+                amount: 1,
+            }
+            .json()
+        })
+        .collect();
+    nats.publish_all(entries).await;
+
+    // First instance: its handler holds the first message until the shutdown has begun.
+    let first = WorkerBuilder::new(inbox.clone(), nats.consumer_on_new_connection("c").await)
+        .concurrency(1)
+        .build_with_state(B::Ledger::default(), Probe::held(false))
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (worker, shutdown) = (first.clone(), shutdown.clone());
+        async move { worker.run_until(shutdown).await }
+    });
+    wait_until("a message in flight", Duration::from_secs(30), || async {
+        nats.info("c").await.num_ack_pending == 1
+    })
+    .await;
+    shutdown.cancel();
+    assert!(
+        !run.is_finished(),
+        "the worker stopped with a handler in flight"
+    );
+    first.state().release();
+    let stats = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("the worker did not stop")
+        .unwrap();
+    assert_eq!(
+        stats.acked, 1,
+        "the in-flight message was not finished: {stats:?}"
+    );
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
+
+    // Second instance: picks up the rest at once (nothing waits out ack_wait).
+    let second = WorkerBuilder::new(inbox, nats.consumer_on_new_connection("c").await)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (worker, shutdown) = (second.clone(), shutdown.clone());
+        async move { worker.run_until(shutdown).await }
+    });
+    nats.wait_drained("c").await;
+    shutdown.cancel();
+    let stats = run.await.unwrap();
+    assert_eq!(stats.acked, 4, "{stats:?}");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 5);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 5);
+}

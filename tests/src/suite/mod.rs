@@ -1,0 +1,56 @@
+//! The behaviours every backend must show, each a generic async fn over a [`TestBackend`];
+//! [`conformance!`](crate::conformance) instantiates all of them for one backend, so a behaviour
+//! cannot be tested on one backend only.
+//!
+//! [`TestBackend`]: crate::backends::TestBackend
+
+pub mod all_or_nothing;
+pub mod business_unique_violation_is_an_error;
+pub mod committed_not_acked_is_skipped_on_redelivery;
+pub mod graceful_shutdown;
+pub mod held_race_commit;
+pub mod held_race_rollback;
+pub mod invalid_keys_are_rejected;
+pub mod poison_message_is_terminated;
+pub mod two_instances_apply_each_message_once;
+
+use crate::backends::{TestBackend, TestDb};
+use inbox_runtime::Inbox;
+
+/// A fresh database of `B` with the inbox migrated, and the inbox on it.
+pub async fn setup<B: TestBackend>(max: u32) -> (TestDb<B::Db>, Inbox<B::Db>) {
+    let db = B::create(max).await;
+    let inbox = Inbox::new(db.pool.clone());
+    inbox.migrate().await.expect("migrate the inbox");
+    (db, inbox)
+}
+
+/// Instantiates every behaviour of the suite as a `#[tokio::test]` for `$backend`, in a module
+/// named `$name`: `inbox_tests::conformance!(postgres, inbox_tests::backends::Postgres);`
+#[macro_export]
+macro_rules! conformance {
+    ($name:ident, $backend:ty) => {
+        mod $name {
+            $crate::conformance!(@tests $backend;
+                all_or_nothing::check_violation_rolls_back_the_marker,
+                all_or_nothing::check_violation_is_not_acked,
+                business_unique_violation_is_an_error::business_unique_violation_is_an_error_not_a_skip,
+                committed_not_acked_is_skipped_on_redelivery::committed_but_not_acked_is_skipped_on_redelivery,
+                graceful_shutdown::shutdown_finishes_in_flight_and_leaves_the_rest,
+                held_race_commit::held_race_commit_makes_the_twin_skip,
+                held_race_rollback::held_race_rollback_lets_the_twin_apply,
+                invalid_keys_are_rejected::empty_long_and_missing_keys_are_rejected,
+                poison_message_is_terminated::poison_is_terminated_and_does_not_block,
+                two_instances_apply_each_message_once::two_instances_apply_each_message_once,
+            );
+        }
+    };
+    (@tests $backend:ty; $($module:ident :: $test:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $test() {
+                $crate::suite::$module::$test::<$backend>().await
+            }
+        )*
+    };
+}
