@@ -5,12 +5,16 @@
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
-use inbox_runtime::{Handler, Inbox, Stats, Tx, WorkerBuilder, idempotent, sqlite_options};
+use inbox_runtime::{
+    Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder, idempotent, is_transient,
+    sqlite_options,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::SqlitePoolOptions;
 use sqlx::{MySql, MySqlPool, PgPool, Pool, Postgres, Sqlite, SqlitePool};
+use std::future::Future;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -181,12 +185,17 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
         }
         "sqlite" => {
             // SQLite has one writer at a time: more connections would only queue for the lock.
-            let pool = SqlitePoolOptions::new()
-                .max_connections(1)
-                .test_before_acquire(false)
-                .connect_with(sqlite_options(url).map_err(cannot)?)
-                .await
-                .map_err(cannot)?;
+            let options = sqlite_options(url).map_err(cannot)?;
+            // Processes opening a new file together race to switch it to WAL, and the loser gets
+            // SQLITE_BUSY at once, without waiting out the busy timeout: retry that.
+            let pool = connect_retrying::<Sqlite, _, _>(|| {
+                SqlitePoolOptions::new()
+                    .max_connections(1)
+                    .test_before_acquire(false)
+                    .connect_with(options.clone())
+            })
+            .await
+            .map_err(cannot)?;
             create_accounts_sqlite(&pool).await?;
             serve(pool, consumer, credit_sqlite, shutdown).await
         }
@@ -194,6 +203,30 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
             "DATABASE_URL {url:?} is not supported: use postgres://, mysql:// (or mariadb://) or sqlite://"
         )
         .into()),
+    }
+}
+
+/// Calls `connect` until it succeeds or fails with an error that is not transient, waiting with
+/// capped exponential backoff in between (at most 10 attempts).
+async fn connect_retrying<DB, F, Fut>(mut connect: F) -> Result<Pool<DB>, sqlx::Error>
+where
+    DB: InboxBackend,
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Pool<DB>, sqlx::Error>>,
+{
+    let mut wait = Duration::from_millis(50);
+    let mut attempt = 1;
+    loop {
+        match connect().await {
+            Ok(pool) => return Ok(pool),
+            Err(e) if attempt < 10 && is_transient::<DB>(&e) => {
+                tracing::warn!(attempt, error = %e, retry_in = ?wait, "database not ready");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(2));
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 

@@ -181,7 +181,21 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// Creates or updates the inbox table. Safe to run from several instances at once.
     pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
         let migrator = backend::migrator::<DB>(&self.table);
-        DB::run_migrator(&self.pool, &migrator).await
+        // Instances starting together race: sqlx takes no lock on SQLite, and its MySQL lock did
+        // not hold on MariaDB here, so the loser fails to record a migration the winner is
+        // applying or has applied. The DDL is idempotent; a later attempt sees it recorded.
+        let mut attempt = 1;
+        loop {
+            match DB::run_migrator(&self.pool, &migrator).await {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt < 5 => {
+                    tracing::debug!(error = %e, attempt, "inbox migration raced another instance; retrying");
+                    tokio::time::sleep(std::time::Duration::from_millis(100 * attempt)).await;
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Processes `message` exactly once: in a fresh transaction, claims its key and, when the claim

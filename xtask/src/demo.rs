@@ -3,9 +3,15 @@
 //! Publishes a few thousand credit requests, a good share of them published again as a producer
 //! retrying after a lost ack would (no `Nats-Msg-Id`, so the broker does not dedup), runs two
 //! `credit` processes on one durable consumer, and checks that every balance is exact.
+//!
+//! The database is `DATABASE_URL`, else a SQLite file under `target/demo/`. NATS is `NATS_URL`
+//! (default `nats://127.0.0.1:4222`); when nothing answers there, the demo runs a private
+//! `nats-server` with JetStream in a temporary directory and stops it at the end.
 
 use async_nats::jetstream::{self, stream};
-use sqlx::PgPool;
+use sqlx::AnyPool;
+use sqlx::any::AnyPoolOptions;
+use sqlx::{AssertSqlSafe, SqlSafeStr};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -41,9 +47,11 @@ pub fn run() -> Result<(), String> {
         return Err("building `credit` failed".into());
     }
     let credit = root.join("target/release/credit");
+    let logs = root.join("target/demo");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
     tokio::runtime::Runtime::new()
         .map_err(|e| e.to_string())?
-        .block_on(demo(credit, root.join("target/demo")))
+        .block_on(demo(credit, logs))
 }
 
 fn workspace_root() -> PathBuf {
@@ -64,22 +72,46 @@ struct Demo {
 
 async fn demo(credit: PathBuf, logs: PathBuf) -> Result<(), String> {
     let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
+    let database_url = match std::env::var("DATABASE_URL") {
+        Ok(url) => url,
+        Err(_) => {
+            // A fresh file each run, so that the numbers below are this run's alone.
+            let file = logs.join("credit.db");
+            for suffix in ["", "-wal", "-shm"] {
+                let mut f = file.clone().into_os_string();
+                f.push(suffix);
+                let _ = std::fs::remove_file(f);
+            }
+            format!("sqlite://{}", file.display())
+        }
+    };
+    let requested_nats =
+        std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let private = if nats_answers(&requested_nats) {
+        None
+    } else {
+        Some(PrivateNats::start(&run)?)
+    };
     let d = Demo {
         stream: format!("CREDITS_DEMO_{run}"),
         subject: format!("demo.{run}.credits"),
         durable: format!("credit_demo_{run}"),
-        nats_url: std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
-        database_url: std::env::var("DATABASE_URL")
-            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into()),
+        nats_url: private.as_ref().map_or(requested_nats, |p| p.url.clone()),
+        database_url,
         run,
     };
+    println!("NATS:     {}", d.nats_url);
+    println!("database: {}", d.database_url);
     let client = async_nats::connect(&d.nats_url)
         .await
         .map_err(|e| format!("NATS does not answer at {}: {e}", d.nats_url))?;
     let js = jetstream::new(client);
-    let pool = PgPool::connect(&d.database_url)
-        .await
-        .map_err(|e| format!("the database does not answer at {}: {e}", d.database_url))?;
+    sqlx::any::install_default_drivers();
+    // Lazy: for SQLite the file appears when the first `credit` starts.
+    let pool = AnyPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy(&d.database_url)
+        .map_err(|e| format!("DATABASE_URL {}: {e}", d.database_url))?;
     js.get_or_create_stream(stream::Config {
         name: d.stream.clone(),
         subjects: vec![d.subject.clone()],
@@ -90,13 +122,85 @@ async fn demo(credit: PathBuf, logs: PathBuf) -> Result<(), String> {
 
     let result = demo_on(&d, &js, &pool, &credit, &logs).await;
     let _ = js.delete_stream(&d.stream).await;
+    pool.close().await;
+    drop(private);
     result
+}
+
+fn nats_answers(url: &str) -> bool {
+    let host_port = url.split("://").last().unwrap_or(url).trim_end_matches('/');
+    use std::net::ToSocketAddrs;
+    host_port
+        .to_socket_addrs()
+        .map(|mut addrs| {
+            addrs.any(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(1)).is_ok())
+        })
+        .unwrap_or(false)
+}
+
+/// A `nats-server` of the demo's own: JetStream, a free loopback port, a temporary store.
+struct PrivateNats {
+    url: String,
+    child: std::process::Child,
+    store: PathBuf,
+}
+
+impl PrivateNats {
+    fn start(run: &str) -> Result<PrivateNats, String> {
+        let binary = std::env::var_os("PATH")
+            .into_iter()
+            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")])
+            .map(|dir| dir.join("nats-server"))
+            .find(|p| p.is_file())
+            .ok_or(
+                "no NATS answers at NATS_URL and there is no nats-server binary to start one: \
+                 install it (Debian: `apt-get install nats-server`) or set NATS_URL",
+            )?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("no free port: {e}"))?
+            .port();
+        let store = std::env::temp_dir().join(format!("inbox-demo-nats-{run}"));
+        println!(
+            "no NATS answers; starting {} on port {port}",
+            binary.display()
+        );
+        let child = std::process::Command::new(&binary)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&store)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+        let nats = PrivateNats {
+            url: format!("nats://127.0.0.1:{port}"),
+            child,
+            store,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !crate::services::answers(&format!("127.0.0.1:{port}")) {
+            if Instant::now() > deadline {
+                return Err("the private nats-server did not start within 30 s".into());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(nats)
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
 }
 
 async fn demo_on(
     d: &Demo,
     js: &jetstream::Context,
-    pool: &PgPool,
+    pool: &AnyPool,
     credit: &std::path::Path,
     logs: &std::path::Path,
 ) -> Result<(), String> {
@@ -138,7 +242,6 @@ async fn demo_on(
         ack.await.map_err(|e| format!("publish ack: {e}"))?;
     }
 
-    std::fs::create_dir_all(logs).map_err(|e| e.to_string())?;
     println!(
         "starting {INSTANCES} credit processes on durable consumer {} (logs in {})...",
         d.durable,
@@ -149,11 +252,11 @@ async fn demo_on(
         children.push(spawn(d, credit, &logs.join(format!("credit-{n}.log")))?);
     }
 
-    let like = format!("demo-{}-%", d.run);
+    let run = d.run.as_str();
     let started = Instant::now();
     let mut last = String::new();
     let done = loop {
-        let applied = applied(pool, &like).await;
+        let applied = applied(pool, run).await;
         let pending = pending(js, d).await;
         let line = match pending {
             Some(p) => format!(
@@ -185,20 +288,23 @@ async fn demo_on(
         ));
     }
 
-    let accounts: Vec<i64> = expected.keys().copied().collect();
-    let balances: BTreeMap<i64, i64> =
-        sqlx::query_as::<_, (i64, i64)>("SELECT id, balance FROM accounts WHERE id = ANY($1)")
-            .bind(&accounts)
-            .fetch_all(pool)
-            .await
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .collect();
+    // Literals rather than binds: the Any driver does not translate placeholders, and these are
+    // numbers the demo made.
+    let sql = format!(
+        "SELECT id, balance FROM accounts WHERE id BETWEEN {base} AND {}",
+        base + ACCOUNTS
+    );
+    let balances: BTreeMap<i64, i64> = sqlx::query_as::<_, (i64, i64)>(AssertSqlSafe(sql))
+        .fetch_all(pool)
+        .await
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .collect();
     let wrong: Vec<_> = expected
         .iter()
         .filter(|(a, sum)| balances.get(a) != Some(sum))
         .collect();
-    let applied = applied(pool, &like).await;
+    let applied = applied(pool, run).await;
 
     println!();
     println!("  published            {published:>6}");
@@ -271,14 +377,16 @@ async fn stop(mut child: Child) -> Result<(u64, u64), String> {
     Ok((count("applied="), count("skipped=")))
 }
 
-async fn applied(pool: &PgPool, like: &str) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM inbox WHERE consumer = 'credit' AND message_key LIKE $1",
-    )
-    .bind(like)
-    .fetch_one(pool)
-    .await
-    .unwrap_or(0)
+/// Markers of this run's messages.
+async fn applied(pool: &AnyPool, run: &str) -> i64 {
+    // `run` is hex the demo made; a literal keeps the SQL the same on every backend.
+    let sql = format!(
+        "SELECT count(*) FROM inbox WHERE consumer = 'credit' AND message_key LIKE 'demo-{run}-%'"
+    );
+    sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql).into_sql_str())
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
 }
 
 /// Messages not yet acked on the demo's consumer; `None` until `credit` has created it.

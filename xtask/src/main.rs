@@ -10,8 +10,9 @@ usage: cargo xtask <task>
 
 tasks:
   demo    publish a few thousand credits (many duplicated), consume them with two `credit`
-          processes at once, and check that every balance is exact
-  test    make sure NATS and PostgreSQL answer (starting them if they are down), check
+          processes at once, and check that every balance is exact; SQLite under target/
+          unless DATABASE_URL is set, and a private nats-server if none answers at NATS_URL
+  test    make sure NATS, PostgreSQL and MariaDB answer (starting them if they are down), check
           formatting and clippy, then run every test in the workspace
 ";
 
@@ -37,7 +38,7 @@ fn main() -> ExitCode {
 
 /// `cargo xtask test [extra cargo test args]`: services, formatting, lints, then every test.
 fn test(extra: &[String]) -> Result<(), String> {
-    services::ensure(&[services::POSTGRES, services::NATS])?;
+    services::ensure(&[services::POSTGRES, services::MARIADB, services::NATS])?;
     cargo_step("formatting", &["fmt", "--all", "--", "--check"])?;
     cargo_step(
         "clippy",

@@ -19,6 +19,13 @@ pub const POSTGRES: Service = Service {
     start: "pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start",
 };
 
+/// MariaDB on 127.0.0.1:3306.
+pub const MARIADB: Service = Service {
+    name: "MariaDB",
+    addr: "127.0.0.1:3306",
+    start: "start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd",
+};
+
 /// NATS with JetStream on 127.0.0.1:4222.
 pub const NATS: Service = Service {
     name: "NATS",
@@ -27,7 +34,8 @@ pub const NATS: Service = Service {
             -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log",
 };
 
-fn answers(addr: &str) -> bool {
+/// Whether something accepts TCP connections at `addr`.
+pub fn answers(addr: &str) -> bool {
     let addr: SocketAddr = addr.parse().expect("a socket address");
     TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
 }

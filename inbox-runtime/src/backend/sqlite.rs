@@ -73,20 +73,11 @@ impl InboxBackend for Sqlite {
             .is_some_and(|code| matches!(code & 0xff, 5 | 6))
     }
 
-    async fn run_migrator<'a>(
+    fn run_migrator<'a>(
         pool: &'a Pool<Self>,
         migrator: &'a Migrator,
-    ) -> Result<(), MigrateError> {
-        // sqlx takes no lock for SQLite migrations: two processes starting together can both find
-        // the migration unapplied, and the second then fails to record it. The DDL is idempotent,
-        // so a second attempt, which sees it recorded, settles it.
-        match migrator.run(pool).await {
-            Ok(()) => Ok(()),
-            Err(first) => {
-                tracing::debug!(error = %first, "SQLite migration raced another process; retrying");
-                migrator.run(pool).await
-            }
-        }
+    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
+        migrator.run(pool)
     }
 }
 

@@ -7,6 +7,7 @@
 pub mod all_or_nothing;
 pub mod business_unique_violation_is_an_error;
 pub mod committed_not_acked_is_skipped_on_redelivery;
+pub mod concurrent_migrations;
 pub mod graceful_shutdown;
 pub mod held_race_commit;
 pub mod held_race_rollback;
@@ -36,6 +37,7 @@ macro_rules! conformance {
                 all_or_nothing::check_violation_is_not_acked,
                 business_unique_violation_is_an_error::business_unique_violation_is_an_error_not_a_skip,
                 committed_not_acked_is_skipped_on_redelivery::committed_but_not_acked_is_skipped_on_redelivery,
+                concurrent_migrations::instances_migrating_together_all_succeed,
                 graceful_shutdown::shutdown_finishes_in_flight_and_leaves_the_rest,
                 held_race_commit::held_race_commit_makes_the_twin_skip,
                 held_race_rollback::held_race_rollback_lets_the_twin_apply,
