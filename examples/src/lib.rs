@@ -251,6 +251,8 @@ async fn jetstream_consumer(config: &Config) -> Result<PullConsumer, Error> {
                 durable_name: Some(config.durable.clone()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ack_wait: Duration::from_secs(30),
+                // Finite, so that a message that keeps failing ends up dead-lettered.
+                max_deliver: 10,
                 filter_subject: config.subject.clone(),
                 ..Default::default()
             },

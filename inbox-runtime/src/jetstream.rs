@@ -2,6 +2,8 @@
 //! acks follow the outcome. The database decides; JetStream only hears the verdict.
 
 use crate::backend::InboxBackend;
+use crate::classify::{ErrorClass, classify};
+use crate::dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, DeadLetter, DeadLetters};
 use crate::handler::{Handler, Outcome};
 use crate::key::KeyError;
 use crate::store::{Inbox, ProcessError, message_key};
@@ -44,6 +46,23 @@ pub enum WorkerError {
     /// `concurrency(0)` was asked for.
     #[error("concurrency must be at least 1")]
     ZeroConcurrency,
+    /// The consumer redelivers forever, so a message that always fails is never dead-lettered.
+    #[error(
+        "consumer {consumer:?} has no max_deliver limit (-1); set a finite max_deliver (for example 10) so that failing messages are dead-lettered"
+    )]
+    UnboundedMaxDeliver {
+        /// The consumer's name.
+        consumer: String,
+    },
+    /// The handler's consumer name cannot be a NATS subject token (dead letters go to
+    /// `<prefix>.<consumer>`).
+    #[error(
+        "consumer name {name:?} is not a valid NATS subject token: use letters, digits, `-` and `_`, without spaces, `.`, `*` or `>`"
+    )]
+    ConsumerName {
+        /// The rejected name.
+        name: String,
+    },
 }
 
 /// Counters of what a worker did, by outcome.
@@ -77,6 +96,9 @@ pub struct WorkerBuilder<DB: InboxBackend> {
     ack_mode: AckMode,
     fetch_expiry: Duration,
     nak_delay: (Duration, Duration),
+    attempts: u32,
+    dead_letter_stream: String,
+    dead_letter_prefix: String,
 }
 
 impl<DB: InboxBackend> WorkerBuilder<DB> {
@@ -89,6 +111,9 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             ack_mode: AckMode::default(),
             fetch_expiry: Duration::from_secs(2),
             nak_delay: (Duration::from_secs(1), Duration::from_secs(30)),
+            attempts: 3,
+            dead_letter_stream: DEFAULT_DLQ_STREAM.to_owned(),
+            dead_letter_prefix: DEFAULT_DLQ_PREFIX.to_owned(),
         }
     }
 
@@ -119,6 +144,25 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
+    /// How many times a delivery is tried in-process while its failure is transient, each time
+    /// in a fresh transaction (default 3); after that it is nak'd with a delay.
+    pub fn attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts;
+        self
+    }
+
+    /// Where rejected messages go: the stream (default `INBOX_DLQ`, created when missing) and the
+    /// subject prefix (default `inbox.dlq`; the subject is `<prefix>.<consumer>`).
+    pub fn dead_letters(
+        mut self,
+        stream: impl Into<String>,
+        subject_prefix: impl Into<String>,
+    ) -> Self {
+        self.dead_letter_stream = stream.into();
+        self.dead_letter_prefix = subject_prefix.into();
+        self
+    }
+
     /// A worker for `handler`, whose state is `()`.
     pub fn build<H>(self, handler: H) -> Result<Worker<H>, WorkerError>
     where
@@ -144,6 +188,16 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         if self.concurrency == Some(0) {
             return Err(WorkerError::ZeroConcurrency);
         }
+        if info.config.max_deliver <= 0 {
+            return Err(WorkerError::UnboundedMaxDeliver {
+                consumer: info.name.clone(),
+            });
+        }
+        if !is_subject_token(H::CONSUMER) {
+            return Err(WorkerError::ConsumerName {
+                name: H::CONSUMER.to_owned(),
+            });
+        }
         let pool_size = self.inbox.pool().options().get_max_connections() as usize;
         let mut concurrency = self.concurrency.unwrap_or(pool_size).min(pool_size);
         if info.config.max_ack_pending > 0 {
@@ -153,6 +207,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             d if d.is_zero() => Duration::from_secs(30),
             d => d,
         };
+        let (max_deliver, backoff) = (info.config.max_deliver, info.config.backoff.clone());
         Ok(Worker {
             inner: Arc::new(Inner {
                 inbox: self.inbox,
@@ -165,6 +220,14 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
                 nak_delay: self.nak_delay,
                 progress_every: ack_wait / 3,
                 counters: Counters::default(),
+                max_deliver,
+                backoff,
+                attempts: self.attempts.max(1),
+                dead_letters: DeadLetters::new(
+                    self.dead_letter_stream,
+                    self.dead_letter_prefix,
+                    H::CONSUMER,
+                ),
             }),
         })
     }
@@ -209,6 +272,10 @@ struct Inner<H: Handler> {
     nak_delay: (Duration, Duration),
     progress_every: Duration,
     counters: Counters,
+    max_deliver: i64,
+    backoff: Vec<Duration>,
+    attempts: u32,
+    dead_letters: DeadLetters,
 }
 
 impl<H> Worker<H>
@@ -353,9 +420,10 @@ where
     /// Processes one delivery and answers JetStream according to the outcome.
     async fn serve(&self, message: Message, permit: OwnedSemaphorePermit) {
         let _permit = permit;
-        let (transport_id, stream_seq, delivered) = match message.info() {
+        let (transport_id, stream, stream_seq, delivered) = match message.info() {
             Ok(info) => (
                 transport_id_of(&message, &info),
+                info.stream.to_owned(),
                 info.stream_sequence,
                 info.delivered,
             ),
@@ -373,9 +441,9 @@ where
             outcome = field::Empty,
         );
         async {
-            let result = self.process(&message, &transport_id).await;
+            let result = self.process_with_retries(&message, &transport_id).await;
             let span = tracing::Span::current();
-            match result {
+            let err = match result {
                 Ok(outcome) => {
                     span.record("outcome", outcome.as_str());
                     let acked = match (outcome, self.ack_mode) {
@@ -392,28 +460,86 @@ where
                     };
                     counter.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!("processed");
+                    return;
                 }
-                Err(e) if e.is_permanent() => {
-                    span.record("outcome", "term");
-                    tracing::error!(error = %e, "poison message terminated");
-                    if let Err(e) = message.ack_with(AckKind::Term).await {
-                        tracing::warn!(error = %e, "term failed; the message will be redelivered");
+                Err(e) => e,
+            };
+            let class = classify::<H::Db>(&err);
+            let last_delivery = self.max_deliver > 0 && delivered >= self.max_deliver;
+            if class == ErrorClass::Permanent || last_delivery {
+                let reason = if last_delivery && class != ErrorClass::Permanent {
+                    format!("{err} (delivery {delivered} of max_deliver {})", self.max_deliver)
+                } else {
+                    err.to_string()
+                };
+                let letter = DeadLetter {
+                    consumer: H::CONSUMER,
+                    stream: &stream,
+                    stream_seq,
+                    delivered,
+                    error: &reason,
+                };
+                match self.dead_letters.publish(&message, &letter).await {
+                    Ok(()) => {
+                        span.record("outcome", "dead_letter");
+                        tracing::error!(error = %reason, "message dead-lettered and terminated");
+                        if let Err(e) = message.ack_with(AckKind::Term).await {
+                            // The dead letter exists; a redelivery would add a second one.
+                            tracing::warn!(error = %e, "term failed after dead-lettering");
+                        }
+                        self.counters.terminated.fetch_add(1, Ordering::Relaxed);
+                        return;
                     }
-                    self.counters.terminated.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    span.record("outcome", "nak");
-                    let delay = nak_delay(self.nak_delay, delivered);
-                    tracing::warn!(error = %e, retry_in = ?delay, "processing failed; nak");
-                    if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
-                        tracing::warn!(error = %e, "nak failed; redelivered after ack_wait");
+                    Err(e) => {
+                        // Never lose it: leave it with JetStream and try again later.
+                        tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
                     }
-                    self.counters.nacked.fetch_add(1, Ordering::Relaxed);
                 }
+            } else {
+                tracing::warn!(error = %err, class = ?class, "processing failed; nak");
             }
+            span.record("outcome", "nak");
+            let delay = self.redelivery_delay(delivered);
+            if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
+                tracing::warn!(error = %e, "nak failed; redelivered after ack_wait");
+            }
+            self.counters.nacked.fetch_add(1, Ordering::Relaxed);
         }
         .instrument(span)
         .await
+    }
+
+    /// The consumer's `backoff` step for this delivery when it has one, else ours.
+    fn redelivery_delay(&self, delivered: i64) -> Duration {
+        if self.backoff.is_empty() {
+            return nak_delay(self.nak_delay, delivered);
+        }
+        let i = (delivered.max(1) as usize - 1).min(self.backoff.len() - 1);
+        self.backoff[i]
+    }
+
+    /// [`Self::process`], retried at once with a fresh transaction while the failure is
+    /// transient, at most `attempts` times, with capped exponential backoff and jitter.
+    async fn process_with_retries(
+        &self,
+        message: &Message,
+        transport_id: &str,
+    ) -> Result<Outcome, ProcessError> {
+        let mut attempt = 1;
+        loop {
+            match self.process(message, transport_id).await {
+                Err(e)
+                    if attempt < self.attempts
+                        && classify::<H::Db>(&e) == ErrorClass::Transient =>
+                {
+                    let wait = retry_wait(attempt);
+                    tracing::debug!(error = %e, attempt, retry_in = ?wait, "transient failure; retrying");
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Decodes, keys and processes the message, sending progress acks while it runs long.
@@ -503,6 +629,26 @@ fn nak_delay((base, max): (Duration, Duration), delivered: i64) -> Duration {
     base.saturating_mul(1 << exp).min(max)
 }
 
+/// Whether `name` can stand as one token of a NATS subject.
+fn is_subject_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b'.' | b'*' | b'>'))
+}
+
+/// The wait before in-process retry `attempt + 1`: 50 ms doubling, at most 2 s, with up to 50 %
+/// jitter so that twins that collided do not collide again.
+fn retry_wait(attempt: u32) -> Duration {
+    let base = Duration::from_millis(50)
+        .saturating_mul(1 << attempt.min(6))
+        .min(Duration::from_secs(2));
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    base + base.mul_f64(f64::from(nanos % 1000) / 2000.0)
+}
+
 /// Capped exponential backoff for pull errors.
 struct Backoff {
     base: Duration,
@@ -533,6 +679,21 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn subject_tokens() {
+        assert!(is_subject_token("credit"));
+        assert!(is_subject_token("credit-v2_x"));
+        for bad in ["", "a b", "a.b", "a*", ">", "tab\t"] {
+            assert!(!is_subject_token(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn retry_wait_is_capped() {
+        assert!(retry_wait(1) >= Duration::from_millis(100));
+        assert!(retry_wait(30) <= Duration::from_secs(3));
+    }
 
     #[test]
     fn nak_delay_grows_and_is_capped() {

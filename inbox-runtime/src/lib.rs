@@ -40,6 +40,8 @@
 //! ```
 
 mod backend;
+mod classify;
+mod dead_letter;
 mod handler;
 mod jetstream;
 mod key;
@@ -48,6 +50,8 @@ mod store;
 #[cfg(feature = "sqlite")]
 pub use backend::sqlite_options;
 pub use backend::{Claim, InboxBackend, is_transient};
+pub use classify::{ErrorClass, Permanent, Transient, classify};
+pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
 pub use handler::{BoxError, Handler, HandlerResult, Outcome};
 pub use jetstream::{
     AckMode, Stats, Worker, WorkerBuilder, WorkerError, process_delivery, transport_id,

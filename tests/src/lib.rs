@@ -55,8 +55,15 @@ pub struct NatsStream {
     pub stream: String,
     /// The stream's only subject.
     pub subject: String,
+    /// This test's dead-letter stream (created by the worker on first use).
+    pub dlq_stream: String,
+    /// This test's dead-letter subject prefix.
+    pub dlq_prefix: String,
     url: String,
 }
+
+/// The `max_deliver` of the consumers tests create.
+pub const MAX_DELIVER: i64 = 5;
 
 impl NatsStream {
     /// Creates a stream with random names on the test server.
@@ -77,11 +84,15 @@ impl NatsStream {
         })
         .await
         .unwrap_or_else(|e| panic!("JetStream at {url} cannot create a stream: {e}"));
+        let dlq_stream = format!("DLQ_{stream}");
+        let dlq_prefix = format!("dlq.{}", stream.to_lowercase());
         NatsStream {
             client,
             js,
             stream,
             subject,
+            dlq_stream,
+            dlq_prefix,
             url: url.to_owned(),
         }
     }
@@ -101,6 +112,7 @@ impl NatsStream {
                 pull::Config {
                     durable_name: Some(durable.to_owned()),
                     ack_wait,
+                    max_deliver: MAX_DELIVER,
                     ..Default::default()
                 },
             )
@@ -142,6 +154,33 @@ impl NatsStream {
         }
     }
 
+    /// A worker builder whose dead letters go to this test's own stream.
+    pub fn worker<DB: inbox_runtime::InboxBackend>(
+        &self,
+        inbox: inbox_runtime::Inbox<DB>,
+        consumer: jetstream::consumer::PullConsumer,
+    ) -> inbox_runtime::WorkerBuilder<DB> {
+        inbox_runtime::WorkerBuilder::new(inbox, consumer)
+            .dead_letters(self.dlq_stream.clone(), self.dlq_prefix.clone())
+    }
+
+    /// The dead letters stored so far: (payload, headers) in order.
+    pub async fn dead_letters(&self) -> Vec<(Vec<u8>, async_nats::HeaderMap)> {
+        let Ok(stream) = self.js.get_stream(&self.dlq_stream).await else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut seq = 1;
+        let last = stream.cached_info().state.last_sequence;
+        while seq <= last {
+            if let Ok(m) = stream.get_raw_message(seq).await {
+                out.push((m.payload.to_vec(), m.headers));
+            }
+            seq += 1;
+        }
+        out
+    }
+
     /// The consumer's current state from the server.
     pub async fn info(&self, durable: &str) -> async_nats::jetstream::consumer::Info {
         let mut c: jetstream::consumer::PullConsumer = self
@@ -167,10 +206,16 @@ impl NatsStream {
 
 impl Drop for NatsStream {
     fn drop(&mut self) {
-        let (url, stream) = (self.url.clone(), self.stream.clone());
+        let (url, stream, dlq) = (
+            self.url.clone(),
+            self.stream.clone(),
+            self.dlq_stream.clone(),
+        );
         off_runtime(async move {
             if let Ok(client) = async_nats::connect(&url).await {
-                let _ = jetstream::new(client).delete_stream(&stream).await;
+                let js = jetstream::new(client);
+                let _ = js.delete_stream(&stream).await;
+                let _ = js.delete_stream(&dlq).await;
             }
         });
     }

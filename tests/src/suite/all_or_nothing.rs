@@ -5,7 +5,7 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
 use crate::{NatsStream, wait_until};
-use inbox_runtime::{ProcessError, WorkerBuilder};
+use inbox_runtime::ProcessError;
 use sqlx::error::ErrorKind;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -40,15 +40,16 @@ pub async fn check_violation_rolls_back_the_marker<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM accounts").await, 0);
 }
 
-/// Through JetStream: nak'd, never acked.
-pub async fn check_violation_is_not_acked<B: TestBackend>() {
+/// Through JetStream: never acked; an integrity violation is permanent, so the message is
+/// dead-lettered (with the reason) and only then terminated.
+pub async fn check_violation_is_dead_lettered_not_acked<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     nats.publish_all([overdraw().json()]).await;
 
-    let worker = WorkerBuilder::new(inbox, consumer)
-        .nak_delay(Duration::from_secs(60), Duration::from_secs(60))
+    let worker = nats
+        .worker(inbox, consumer)
         .build(B::Credit::default())
         .unwrap();
     let shutdown = CancellationToken::new();
@@ -56,17 +57,30 @@ pub async fn check_violation_is_not_acked<B: TestBackend>() {
         let (worker, shutdown) = (worker.clone(), shutdown.clone());
         async move { worker.run_until(shutdown).await }
     });
-    wait_until("the nak", Duration::from_secs(30), || async {
-        worker.stats().nacked == 1
+    wait_until("the dead letter", Duration::from_secs(30), || async {
+        worker.stats().terminated == 1
     })
     .await;
+    nats.wait_drained("c").await;
     shutdown.cancel();
     let stats = run.await.unwrap();
-    assert_eq!(stats.acked, 0);
-    let info = nats.info("c").await;
     assert_eq!(
-        info.ack_floor.stream_sequence, 0,
-        "the failed message was acked"
+        (stats.acked, stats.skipped, stats.nacked),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+    let letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    let (payload, headers) = &letters[0];
+    assert_eq!(payload, &overdraw().json());
+    let reason = headers
+        .get("Inbox-Error")
+        .map(|v| v.as_str().to_lowercase());
+    assert!(
+        reason
+            .as_deref()
+            .is_some_and(|r| r.contains("check") || r.contains("constraint")),
+        "{reason:?}"
     );
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
     assert_eq!(B::count(&db, "SELECT count(*) FROM accounts").await, 0);

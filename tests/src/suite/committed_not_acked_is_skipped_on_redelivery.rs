@@ -7,7 +7,7 @@ use crate::backends::TestBackend;
 use crate::handlers::Entry;
 use crate::{NatsStream, wait_until};
 use futures::StreamExt;
-use inbox_runtime::{Outcome, WorkerBuilder, process_delivery};
+use inbox_runtime::{Outcome, process_delivery};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -38,7 +38,7 @@ pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() 
     drop(first);
     drop(batch);
 
-    let worker = WorkerBuilder::new(inbox, consumer).build(handler).unwrap();
+    let worker = nats.worker(inbox, consumer).build(handler).unwrap();
     let shutdown = CancellationToken::new();
     let run = tokio::spawn({
         let (worker, shutdown) = (worker.clone(), shutdown.clone());

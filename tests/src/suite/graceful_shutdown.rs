@@ -5,7 +5,6 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, wait_until};
-use inbox_runtime::WorkerBuilder;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -27,7 +26,8 @@ pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     nats.publish_all(entries).await;
 
     // First instance: its handler holds the first message until the shutdown has begun.
-    let first = WorkerBuilder::new(inbox.clone(), nats.consumer_on_new_connection("c").await)
+    let first = nats
+        .worker(inbox.clone(), nats.consumer_on_new_connection("c").await)
         .concurrency(1)
         .build_with_state(B::Ledger::default(), Probe::held(false))
         .unwrap();
@@ -57,7 +57,8 @@ pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 
     // Second instance: picks up the rest at once (nothing waits out ack_wait).
-    let second = WorkerBuilder::new(inbox, nats.consumer_on_new_connection("c").await)
+    let second = nats
+        .worker(inbox, nats.consumer_on_new_connection("c").await)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
     let shutdown = CancellationToken::new();

@@ -5,6 +5,7 @@
 //! [`TestBackend`]: crate::backends::TestBackend
 
 pub mod all_or_nothing;
+pub mod bad_input_is_dead_lettered;
 pub mod business_unique_violation_is_an_error;
 pub mod committed_not_acked_is_skipped_on_redelivery;
 pub mod concurrent_migrations;
@@ -12,7 +13,6 @@ pub mod graceful_shutdown;
 pub mod held_race_commit;
 pub mod held_race_rollback;
 pub mod invalid_keys_are_rejected;
-pub mod poison_message_is_terminated;
 pub mod two_instances_apply_each_message_once;
 
 use crate::backends::{TestBackend, TestDb};
@@ -34,7 +34,7 @@ macro_rules! conformance {
         mod $name {
             $crate::conformance!(@tests $backend;
                 all_or_nothing::check_violation_rolls_back_the_marker,
-                all_or_nothing::check_violation_is_not_acked,
+                all_or_nothing::check_violation_is_dead_lettered_not_acked,
                 business_unique_violation_is_an_error::business_unique_violation_is_an_error_not_a_skip,
                 committed_not_acked_is_skipped_on_redelivery::committed_but_not_acked_is_skipped_on_redelivery,
                 concurrent_migrations::instances_migrating_together_all_succeed,
@@ -42,7 +42,7 @@ macro_rules! conformance {
                 held_race_commit::held_race_commit_makes_the_twin_skip,
                 held_race_rollback::held_race_rollback_lets_the_twin_apply,
                 invalid_keys_are_rejected::empty_long_and_missing_keys_are_rejected,
-                poison_message_is_terminated::poison_is_terminated_and_does_not_block,
+                bad_input_is_dead_lettered::bad_input_is_dead_lettered_and_does_not_block,
                 two_instances_apply_each_message_once::two_instances_apply_each_message_once,
             );
         }

@@ -6,7 +6,7 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, wait_until};
-use inbox_runtime::{Inbox, WorkerBuilder};
+use inbox_runtime::Inbox;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -35,7 +35,8 @@ pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
     for _ in 0..2 {
         let inbox = Inbox::new(B::connect(&db.url, 8).await);
         let consumer = nats.consumer_on_new_connection("c").await;
-        let worker = WorkerBuilder::new(inbox, consumer)
+        let worker = nats
+            .worker(inbox, consumer)
             .build_with_state(B::Ledger::default(), Probe::open())
             .unwrap();
         let run = tokio::spawn({
