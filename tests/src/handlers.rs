@@ -32,6 +32,20 @@ pub struct Probe {
     fail: bool,
     entered: Notify,
     release: Notify,
+    failures_left: AtomicUsize,
+    failure: Failure,
+}
+
+/// How a [`Probe::failing`] handler fails.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// A plain error of the handler's own: neither marked nor recognised.
+    #[default]
+    Plain,
+    /// Marked [`inbox_runtime::Transient`].
+    Transient,
+    /// Marked [`inbox_runtime::Permanent`].
+    Permanent,
 }
 
 impl Probe {
@@ -45,6 +59,15 @@ impl Probe {
         Probe {
             hold: true,
             fail,
+            ..Probe::default()
+        }
+    }
+
+    /// Fails the first `times` runs (after writing) with `failure`, then succeeds.
+    pub fn failing(times: usize, failure: Failure) -> Probe {
+        Probe {
+            failures_left: AtomicUsize::new(times),
+            failure,
             ..Probe::default()
         }
     }
@@ -78,6 +101,20 @@ impl Probe {
         if self.fail {
             return Err(LedgerError::Requested);
         }
+        let left = self
+            .failures_left
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if left.is_ok() {
+            return Err(match self.failure {
+                Failure::Plain => LedgerError::Requested,
+                Failure::Transient => {
+                    LedgerError::Marked(inbox_runtime::Transient::new("flaky downstream").into())
+                }
+                Failure::Permanent => {
+                    LedgerError::Marked(inbox_runtime::Permanent::new("account is closed").into())
+                }
+            });
+        }
         Ok(())
     }
 }
@@ -91,6 +128,10 @@ pub enum LedgerError {
     /// The probe asked for a failure.
     #[error("failure requested by the test")]
     Requested,
+    /// The probe asked for a failure marked transient or permanent (carried as the source, so
+    /// that the runtime sees the mark).
+    #[error("marked failure")]
+    Marked(#[source] inbox_runtime::BoxError),
 }
 
 /// Defines, for the database `$db`, the test handlers: `ledger` (keyed by `msg.key`, steered by a

@@ -9,10 +9,12 @@ pub mod bad_input_is_dead_lettered;
 pub mod business_unique_violation_is_an_error;
 pub mod committed_not_acked_is_skipped_on_redelivery;
 pub mod concurrent_migrations;
+pub mod failures_are_retried_or_dead_lettered;
 pub mod graceful_shutdown;
 pub mod held_race_commit;
 pub mod held_race_rollback;
 pub mod invalid_keys_are_rejected;
+pub mod long_handler_sends_progress;
 pub mod two_instances_apply_each_message_once;
 
 use crate::backends::{TestBackend, TestDb};
@@ -38,10 +40,15 @@ macro_rules! conformance {
                 business_unique_violation_is_an_error::business_unique_violation_is_an_error_not_a_skip,
                 committed_not_acked_is_skipped_on_redelivery::committed_but_not_acked_is_skipped_on_redelivery,
                 concurrent_migrations::instances_migrating_together_all_succeed,
+                failures_are_retried_or_dead_lettered::transient_failure_is_retried_in_process,
+                failures_are_retried_or_dead_lettered::permanent_failure_is_dead_lettered_at_once,
+                failures_are_retried_or_dead_lettered::failure_is_dead_lettered_at_max_deliver,
+                failures_are_retried_or_dead_lettered::unstorable_dead_letter_leaves_the_message,
                 graceful_shutdown::shutdown_finishes_in_flight_and_leaves_the_rest,
                 held_race_commit::held_race_commit_makes_the_twin_skip,
                 held_race_rollback::held_race_rollback_lets_the_twin_apply,
                 invalid_keys_are_rejected::empty_long_and_missing_keys_are_rejected,
+                long_handler_sends_progress::long_handler_is_not_redelivered,
                 bad_input_is_dead_lettered::bad_input_is_dead_lettered_and_does_not_block,
                 two_instances_apply_each_message_once::two_instances_apply_each_message_once,
             );

@@ -1,0 +1,92 @@
+//! A worker refuses, at start and with an error naming the problem, what would break its
+//! guarantees later: a consumer that redelivers forever, acks that are not explicit, a consumer
+//! name that cannot be a subject token.
+
+use async_nats::jetstream::consumer::{AckPolicy, pull};
+use inbox_runtime::{Tx, WorkerError, idempotent};
+use inbox_tests::NatsStream;
+use inbox_tests::backends::{Postgres, TestBackend};
+use inbox_tests::handlers::Entry;
+
+#[idempotent(consumer = "bad name", key = msg.key)]
+async fn badly_named(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg, tx);
+    Ok(())
+}
+
+#[idempotent(consumer = "fine", key = msg.key)]
+async fn fine(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg, tx);
+    Ok(())
+}
+
+async fn consumer(
+    nats: &NatsStream,
+    name: &str,
+    config: pull::Config,
+) -> async_nats::jetstream::consumer::PullConsumer {
+    nats.js
+        .get_stream(&nats.stream)
+        .await
+        .unwrap()
+        .create_consumer(pull::Config {
+            durable_name: Some(name.into()),
+            ..config
+        })
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn bad_configurations_are_rejected_at_build() {
+    let db = Postgres::create(2).await;
+    let inbox = inbox_runtime::Inbox::new(db.pool.clone());
+    let nats = NatsStream::create().await;
+
+    let unbounded = consumer(&nats, "unbounded", pull::Config::default()).await;
+    let err = nats
+        .worker(inbox.clone(), unbounded)
+        .build(fine)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, WorkerError::UnboundedMaxDeliver { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("max_deliver"), "{err}");
+
+    let ack_all = pull::Config {
+        ack_policy: AckPolicy::All,
+        max_deliver: 5,
+        ..Default::default()
+    };
+    let ack_all = consumer(&nats, "ack_all", ack_all).await;
+    let err = nats
+        .worker(inbox.clone(), ack_all)
+        .build(fine)
+        .err()
+        .unwrap();
+    assert!(matches!(err, WorkerError::AckPolicy { .. }), "{err}");
+
+    let ok = pull::Config {
+        max_deliver: 5,
+        ..Default::default()
+    };
+    let ok = consumer(&nats, "ok", ok).await;
+    let err = nats
+        .worker(inbox.clone(), ok.clone())
+        .build(badly_named)
+        .err()
+        .unwrap();
+    assert!(matches!(err, WorkerError::ConsumerName { .. }), "{err}");
+    assert!(err.to_string().contains("\"bad name\""), "{err}");
+
+    let err = nats
+        .worker(inbox.clone(), ok.clone())
+        .concurrency(0)
+        .build(fine)
+        .err()
+        .unwrap();
+    assert!(matches!(err, WorkerError::ZeroConcurrency), "{err}");
+    assert!(nats.worker(inbox, ok).build(fine).is_ok());
+}
