@@ -221,6 +221,80 @@ impl Drop for NatsStream {
     }
 }
 
+/// A `nats-server` of the test's own (`/usr/sbin/nats-server` or on `PATH`), with JetStream, on
+/// a free loopback port and a temporary store, so that a test can kill and restart it without
+/// touching the shared server. Killed when dropped.
+pub struct PrivateNats {
+    /// `nats://127.0.0.1:<port>`.
+    pub url: String,
+    port: u16,
+    store: std::path::PathBuf,
+    child: Option<std::process::Child>,
+}
+
+impl PrivateNats {
+    /// Starts a server; fails the test when there is no `nats-server` binary.
+    pub fn start() -> PrivateNats {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let store = std::env::temp_dir().join(unique("inbox-nats-"));
+        let mut nats = PrivateNats {
+            url: format!("nats://127.0.0.1:{port}"),
+            port,
+            store,
+            child: None,
+        };
+        nats.restart();
+        nats
+    }
+
+    fn binary() -> std::path::PathBuf {
+        std::env::var_os("PATH")
+            .into_iter()
+            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+            .chain([std::path::PathBuf::from("/usr/sbin")])
+            .map(|d| d.join("nats-server"))
+            .find(|p| p.is_file())
+            .expect("no nats-server binary (Debian: apt-get install nats-server)")
+    }
+
+    /// Kills the server at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port and store, and waits until it answers.
+    pub fn restart(&mut self) {
+        self.kill();
+        let child = std::process::Command::new(Self::binary())
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(&self.store)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let addr = format!("127.0.0.1:{}", self.port);
+        while std::net::TcpStream::connect(&addr).is_err() {
+            assert!(Instant::now() < deadline, "nats-server did not start on {addr}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
 /// Connects to NATS, failing the test with a message that names the server when it cannot.
 pub async fn connect(url: &str) -> async_nats::Client {
     async_nats::ConnectOptions::new()

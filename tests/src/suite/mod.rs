@@ -15,6 +15,7 @@ pub mod held_race_commit;
 pub mod held_race_rollback;
 pub mod invalid_keys_are_rejected;
 pub mod long_handler_sends_progress;
+pub mod nats_restart_mid_stream;
 pub mod two_instances_apply_each_message_once;
 
 use crate::backends::{TestBackend, TestDb};
@@ -49,6 +50,7 @@ macro_rules! conformance {
                 held_race_rollback::held_race_rollback_lets_the_twin_apply,
                 invalid_keys_are_rejected::empty_long_and_missing_keys_are_rejected,
                 long_handler_sends_progress::long_handler_is_not_redelivered,
+                nats_restart_mid_stream::nats_restart_mid_stream_keeps_exactly_once,
                 bad_input_is_dead_lettered::bad_input_is_dead_lettered_and_does_not_block,
                 two_instances_apply_each_message_once::two_instances_apply_each_message_once,
             );

@@ -1,0 +1,69 @@
+//! NATS is killed and restarted mid-stream (a server of the test's own): the worker reconnects
+//! and resumes, and every message is applied exactly once.
+
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::{Entry, Probe};
+use crate::{NatsStream, PrivateNats, wait_until};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const UNIQUE: usize = 400;
+
+/// The test.
+pub async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let mut server = PrivateNats::start();
+    let nats = NatsStream::create_at(&server.url).await;
+    // A short ack_wait: acks lost in the outage come back soon, and are skipped.
+    nats.consumer("c", Duration::from_secs(2)).await;
+    let entries: Vec<Vec<u8>> = (0..UNIQUE)
+        .flat_map(|i| {
+            let e = Entry {
+                key: format!("m-{i}"),
+                account: 1,
+                amount: 1,
+            };
+            [e.json(), e.json()]
+        })
+        .collect();
+    nats.publish_all(entries).await;
+
+    let inbox = inbox_runtime::Inbox::new(B::connect(&db.url, 4).await);
+    let worker = nats
+        .worker(inbox, nats.consumer_on_new_connection("c").await)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (worker, shutdown) = (worker.clone(), shutdown.clone());
+        async move { worker.run_until(shutdown).await }
+    });
+    wait_until("some progress", Duration::from_secs(60), || async {
+        B::count(&db, "SELECT count(*) FROM inbox").await >= 50
+    })
+    .await;
+    server.kill();
+    wait_until("the client to notice", Duration::from_secs(30), || async {
+        nats.client.connection_state() != async_nats::connection::State::Connected
+    })
+    .await;
+    assert!(
+        B::count(&db, "SELECT count(*) FROM inbox").await < UNIQUE as i64,
+        "the stream was done before the outage"
+    );
+    server.restart();
+
+    wait_until("every message to be applied", Duration::from_secs(120), || async {
+        B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE as i64
+    })
+    .await;
+    nats.wait_drained("c").await;
+    shutdown.cancel();
+    run.await.unwrap();
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, UNIQUE as i64);
+    assert_eq!(
+        B::count(&db, "SELECT count(DISTINCT msg_key) FROM ledger").await,
+        UNIQUE as i64
+    );
+}
