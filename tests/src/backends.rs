@@ -57,6 +57,10 @@ pub trait TestBackend: Send + Sync + 'static {
     /// database's single write lock, seen as a second connection in use).
     fn waiting_writers(db: &TestDb<Self::Db>) -> impl Future<Output = i64> + Send;
 
+    /// Ends every other session on the test database, as a failover or an operator would; returns
+    /// how many. `None` where the database has no connections to cut (SQLite is in-process).
+    fn cut_connections(db: &TestDb<Self::Db>) -> impl Future<Output = Option<u64>> + Send;
+
     /// `accounts` as (id, balance).
     fn balances(db: &TestDb<Self::Db>) -> impl Future<Output = BTreeMap<i64, i64>> + Send;
 }
@@ -79,10 +83,18 @@ where
 macro_rules! common_queries {
     ($db:ty) => {
         async fn count(db: &TestDb<$db>, sql: &'static str) -> i64 {
-            sqlx::query_scalar::<_, i64>(sql)
-                .fetch_one(&db.pool)
-                .await
-                .unwrap_or_else(|e| panic!("{sql}: {e}"))
+            // A few tries: tests that cut the database's connections cut these too.
+            let mut tries = 0;
+            loop {
+                match sqlx::query_scalar::<_, i64>(sql).fetch_one(&db.pool).await {
+                    Ok(n) => return n,
+                    Err(e) if tries < 5 && inbox_runtime::is_transient::<$db>(&e) => {
+                        tries += 1;
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                    Err(e) => panic!("{sql}: {e}"),
+                }
+            }
         }
 
         async fn balances(db: &TestDb<$db>) -> BTreeMap<i64, i64> {
@@ -175,6 +187,20 @@ impl TestBackend for Postgres {
 
     common_queries!(sqlx::Postgres);
 
+    async fn cut_connections(db: &TestDb<sqlx::Postgres>) -> Option<u64> {
+        let admin = sqlx::PgPool::connect(&pg_url()).await.expect("PostgreSQL admin");
+        let cut = sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+             WHERE datname = $1 AND pid <> pg_backend_pid()) t",
+        )
+        .bind(&db.name)
+        .fetch_one(&admin)
+        .await
+        .expect("pg_terminate_backend");
+        admin.close().await;
+        Some(cut as u64)
+    }
+
     async fn waiting_writers(db: &TestDb<sqlx::Postgres>) -> i64 {
         sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
@@ -231,7 +257,7 @@ impl TestBackend for MySql {
                 if let Ok(admin) = sqlx::MySqlPool::connect(&mysql_url()).await {
                     // DROP DATABASE waits for the metadata locks of open transactions (a test
                     // that failed while holding one): end those sessions first.
-                    let sessions: Vec<u64> = sqlx::query_scalar(
+                    let sessions: Vec<i64> = sqlx::query_scalar(
                         "SELECT id FROM information_schema.processlist WHERE db = ?",
                     )
                     .bind(&drop_name)
@@ -277,6 +303,23 @@ impl TestBackend for MySql {
     }
 
     common_queries!(sqlx::MySql);
+
+    async fn cut_connections(db: &TestDb<sqlx::MySql>) -> Option<u64> {
+        let admin = sqlx::MySqlPool::connect(&mysql_url()).await.expect("MariaDB admin");
+        let sessions: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM information_schema.processlist WHERE db = ? AND id <> CONNECTION_ID()",
+        )
+        .bind(&db.name)
+        .fetch_all(&admin)
+        .await
+        .expect("processlist");
+        for id in &sessions {
+            // A session may end on its own meanwhile.
+            let _ = sqlx::query(AssertSqlSafe(format!("KILL {id}"))).execute(&admin).await;
+        }
+        admin.close().await;
+        Some(sessions.len() as u64)
+    }
 
     async fn waiting_writers(db: &TestDb<sqlx::MySql>) -> i64 {
         sqlx::query_scalar::<_, i64>(
@@ -355,6 +398,10 @@ impl TestBackend for Sqlite {
     }
 
     common_queries!(sqlx::Sqlite);
+
+    async fn cut_connections(_: &TestDb<sqlx::Sqlite>) -> Option<u64> {
+        None
+    }
 
     async fn waiting_writers(db: &TestDb<sqlx::Sqlite>) -> i64 {
         // SQLite has no lock table to look at; BEGIN IMMEDIATE makes the second writer wait for

@@ -1,0 +1,78 @@
+//! The database's connections are cut three times mid-stream (`pg_terminate_backend`, MariaDB
+//! `KILL`): in-flight messages are retried in-process or redelivered, processing resumes, and every
+//! message is applied exactly once. SQLite is in-process and has no connections to cut.
+
+use inbox_runtime::Inbox;
+use inbox_tests::backends::{MySql, Postgres, TestBackend};
+use inbox_tests::handlers::{Entry, Probe};
+use inbox_tests::{NatsStream, wait_until};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const UNIQUE: i64 = 600;
+
+async fn connections_cut_mid_stream<B: TestBackend>() {
+    let db = B::create(2).await;
+    Inbox::new(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    nats.consumer("c", Duration::from_secs(5)).await;
+    let entries: Vec<Vec<u8>> = (0..UNIQUE)
+        .flat_map(|i| {
+            let e = Entry {
+                key: format!("m-{i}"),
+                account: i % 7,
+                amount: 1,
+            };
+            [e.json(), e.json()]
+        })
+        .collect();
+    nats.publish_all(entries).await;
+
+    let inbox = Inbox::new(B::connect(&db.url, 6).await);
+    let worker = nats
+        .worker(inbox, nats.consumer_on_new_connection("c").await)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (worker, shutdown) = (worker.clone(), shutdown.clone());
+        async move { worker.run_until(shutdown).await }
+    });
+    for round in 1..=3 {
+        let target = round * UNIQUE / 5;
+        wait_until("progress before the cut", Duration::from_secs(120), || async {
+            B::count(&db, "SELECT count(*) FROM inbox").await >= target
+        })
+        .await;
+        let cut = B::cut_connections(&db).await.expect("a server database");
+        assert!(cut > 0, "round {round}: no connection to cut");
+    }
+    assert!(
+        B::count(&db, "SELECT count(*) FROM inbox").await < UNIQUE,
+        "the stream was done before the last cut"
+    );
+
+    wait_until("every message to be applied", Duration::from_secs(180), || async {
+        B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE
+    })
+    .await;
+    nats.wait_drained("c").await;
+    shutdown.cancel();
+    let stats = run.await.unwrap();
+    assert_eq!(stats.terminated, 0, "a message was dead-lettered: {stats:?}");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, UNIQUE);
+    assert_eq!(
+        B::count(&db, "SELECT count(DISTINCT msg_key) FROM ledger").await,
+        UNIQUE
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_connections_cut_mid_stream() {
+    connections_cut_mid_stream::<Postgres>().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_connections_cut_mid_stream() {
+    connections_cut_mid_stream::<MySql>().await
+}
