@@ -154,48 +154,63 @@ impl Config {
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// Sets up the stream, the durable consumer, the inbox and the accounts table, then consumes until
-/// `shutdown` is cancelled. The database is chosen by `DATABASE_URL`'s scheme.
+/// `shutdown` is cancelled. The database is chosen by `DATABASE_URL`'s scheme. NATS or the
+/// database being down at start is waited out (capped backoff, one log line per attempt).
 pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, Error> {
-    let consumer = jetstream_consumer(config).await?;
+    let Some(consumer) = until_up("NATS", &shutdown, || jetstream_consumer(config)).await? else {
+        return Ok(Stats::default());
+    };
     let url = config.database_url.as_str();
     let scheme = url.split_once(':').map_or("", |(s, _)| s);
-    let cannot = |e: sqlx::Error| format!("cannot open the database at {url}: {e}");
+    let timeout = Duration::from_secs(5);
     match scheme {
         "postgres" | "postgresql" => {
             // No ping before every acquire: the hot path is BEGIN, claim, handler, COMMIT, and a
             // dead connection fails BEGIN, which is retried like any transient error.
-            let pool = PgPoolOptions::new()
-                .max_connections(8)
-                .test_before_acquire(false)
-                .connect(url)
-                .await
-                .map_err(cannot)?;
+            let connect = || {
+                let pool = PgPoolOptions::new()
+                    .max_connections(8)
+                    .acquire_timeout(timeout)
+                    .test_before_acquire(false)
+                    .connect(url);
+                async { pool.await.map_err(db_start_error::<Postgres>) }
+            };
+            let Some(pool) = until_up("the database", &shutdown, connect).await? else {
+                return Ok(Stats::default());
+            };
             create_accounts_postgres(&pool).await?;
             serve(pool, consumer, credit_postgres, shutdown).await
         }
         "mysql" | "mariadb" => {
-            let pool = MySqlPoolOptions::new()
-                .max_connections(8)
-                .test_before_acquire(false)
-                .connect(url)
-                .await
-                .map_err(cannot)?;
+            let connect = || {
+                let pool = MySqlPoolOptions::new()
+                    .max_connections(8)
+                    .acquire_timeout(timeout)
+                    .test_before_acquire(false)
+                    .connect(url);
+                async { pool.await.map_err(db_start_error::<MySql>) }
+            };
+            let Some(pool) = until_up("the database", &shutdown, connect).await? else {
+                return Ok(Stats::default());
+            };
             create_accounts_mysql(&pool).await?;
             serve(pool, consumer, credit_mysql, shutdown).await
         }
         "sqlite" => {
+            let options = sqlite_options(url).map_err(|e| format!("DATABASE_URL {url:?}: {e}"))?;
             // SQLite has one writer at a time: more connections would only queue for the lock.
-            let options = sqlite_options(url).map_err(cannot)?;
             // Processes opening a new file together race to switch it to WAL, and the loser gets
-            // SQLITE_BUSY at once, without waiting out the busy timeout: retry that.
-            let pool = connect_retrying::<Sqlite, _, _>(|| {
-                SqlitePoolOptions::new()
+            // SQLITE_BUSY at once, without waiting out the busy timeout: waited out like an outage.
+            let connect = || {
+                let pool = SqlitePoolOptions::new()
                     .max_connections(1)
                     .test_before_acquire(false)
-                    .connect_with(options.clone())
-            })
-            .await
-            .map_err(cannot)?;
+                    .connect_with(options.clone());
+                async { pool.await.map_err(db_start_error::<Sqlite>) }
+            };
+            let Some(pool) = until_up("the database", &shutdown, connect).await? else {
+                return Ok(Stats::default());
+            };
             create_accounts_sqlite(&pool).await?;
             serve(pool, consumer, credit_sqlite, shutdown).await
         }
@@ -206,35 +221,69 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     }
 }
 
-/// Calls `connect` until it succeeds or fails with an error that is not transient, waiting with
-/// capped exponential backoff in between (at most 10 attempts).
-async fn connect_retrying<DB, F, Fut>(mut connect: F) -> Result<Pool<DB>, sqlx::Error>
+/// Why a start-up step failed: a service that is down (wait and retry) or anything else (stop).
+enum StartError {
+    Down(String),
+    Fatal(Error),
+}
+
+impl<E: Into<Error>> From<E> for StartError {
+    fn from(e: E) -> Self {
+        StartError::Fatal(e.into())
+    }
+}
+
+fn db_start_error<DB: InboxBackend>(e: sqlx::Error) -> StartError {
+    if is_transient::<DB>(&e) {
+        StartError::Down(e.to_string())
+    } else {
+        StartError::Fatal(format!("cannot open the database: {e}").into())
+    }
+}
+
+/// Runs `step` until it succeeds, waiting out `Down` errors with capped exponential backoff and
+/// one log line per attempt. `None` when `shutdown` came first.
+async fn until_up<T, F, Fut>(
+    what: &str,
+    shutdown: &CancellationToken,
+    mut step: F,
+) -> Result<Option<T>, Error>
 where
-    DB: InboxBackend,
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<Pool<DB>, sqlx::Error>>,
+    Fut: Future<Output = Result<T, StartError>>,
 {
-    let mut wait = Duration::from_millis(50);
-    let mut attempt = 1;
+    let mut wait = Duration::from_millis(100);
     loop {
-        match connect().await {
-            Ok(pool) => return Ok(pool),
-            Err(e) if attempt < 10 && is_transient::<DB>(&e) => {
-                tracing::warn!(attempt, error = %e, retry_in = ?wait, "database not ready");
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(Duration::from_secs(2));
-                attempt += 1;
+        match step().await {
+            Ok(value) => return Ok(Some(value)),
+            Err(StartError::Fatal(e)) => return Err(e),
+            Err(StartError::Down(e)) => {
+                tracing::warn!("{what} is not reachable ({e}); retrying in {wait:?}");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                wait = (wait * 2).min(Duration::from_secs(10));
             }
-            Err(e) => return Err(e),
         }
     }
 }
 
 /// Gets or creates the stream and the durable pull consumer.
-async fn jetstream_consumer(config: &Config) -> Result<PullConsumer, Error> {
-    let client = async_nats::connect(&config.nats_url)
+async fn jetstream_consumer(config: &Config) -> Result<PullConsumer, StartError> {
+    use async_nats::ConnectErrorKind;
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_secs(5))
+        .connect(&config.nats_url)
         .await
-        .map_err(|e| format!("cannot connect to NATS at {}: {e}", config.nats_url))?;
+        .map_err(|e| match e.kind() {
+            ConnectErrorKind::Io | ConnectErrorKind::TimedOut | ConnectErrorKind::Dns => {
+                StartError::Down(format!("{}: {e}", config.nats_url))
+            }
+            _ => StartError::Fatal(
+                format!("cannot connect to NATS at {}: {e}", config.nats_url).into(),
+            ),
+        })?;
     let js = jetstream::new(client);
     let stream = js
         .get_or_create_stream(stream::Config {

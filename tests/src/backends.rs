@@ -188,7 +188,9 @@ impl TestBackend for Postgres {
     common_queries!(sqlx::Postgres);
 
     async fn cut_connections(db: &TestDb<sqlx::Postgres>) -> Option<u64> {
-        let admin = sqlx::PgPool::connect(&pg_url()).await.expect("PostgreSQL admin");
+        let admin = sqlx::PgPool::connect(&pg_url())
+            .await
+            .expect("PostgreSQL admin");
         let cut = sqlx::query_scalar::<_, i64>(
             "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
              WHERE datname = $1 AND pid <> pg_backend_pid()) t",
@@ -305,7 +307,9 @@ impl TestBackend for MySql {
     common_queries!(sqlx::MySql);
 
     async fn cut_connections(db: &TestDb<sqlx::MySql>) -> Option<u64> {
-        let admin = sqlx::MySqlPool::connect(&mysql_url()).await.expect("MariaDB admin");
+        let admin = sqlx::MySqlPool::connect(&mysql_url())
+            .await
+            .expect("MariaDB admin");
         let sessions: Vec<i64> = sqlx::query_scalar(
             "SELECT id FROM information_schema.processlist WHERE db = ? AND id <> CONNECTION_ID()",
         )
@@ -315,7 +319,9 @@ impl TestBackend for MySql {
         .expect("processlist");
         for id in &sessions {
             // A session may end on its own meanwhile.
-            let _ = sqlx::query(AssertSqlSafe(format!("KILL {id}"))).execute(&admin).await;
+            let _ = sqlx::query(AssertSqlSafe(format!("KILL {id}")))
+                .execute(&admin)
+                .await;
         }
         admin.close().await;
         Some(sessions.len() as u64)

@@ -272,7 +272,14 @@ impl PrivateNats {
     pub fn restart(&mut self) {
         self.kill();
         let child = std::process::Command::new(Self::binary())
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
             .arg(&self.store)
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -282,7 +289,10 @@ impl PrivateNats {
         let deadline = Instant::now() + Duration::from_secs(30);
         let addr = format!("127.0.0.1:{}", self.port);
         while std::net::TcpStream::connect(&addr).is_err() {
-            assert!(Instant::now() < deadline, "nats-server did not start on {addr}");
+            assert!(
+                Instant::now() < deadline,
+                "nats-server did not start on {addr}"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -292,6 +302,58 @@ impl Drop for PrivateNats {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+/// A TCP forwarder of the test's own between the code under test and a server: started on a port
+/// reserved in advance (so that the code can be pointed at it while it is still down), and cut
+/// (every connection dropped) when the test says so or when it is dropped.
+pub struct TcpProxy {
+    /// The port it listens on.
+    pub port: u16,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl TcpProxy {
+    /// Reserves a free port; nothing listens there until [`TcpProxy::start`].
+    pub fn reserve() -> TcpProxy {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        TcpProxy { port, task: None }
+    }
+
+    /// Starts forwarding every connection to `upstream` (`host:port`).
+    pub async fn start(&mut self, upstream: &str) {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
+            .await
+            .expect("bind the proxy port");
+        let upstream = upstream.to_owned();
+        self.task = Some(tokio::spawn(async move {
+            let mut links = tokio::task::JoinSet::new();
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let upstream = upstream.clone();
+                links.spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        }));
+    }
+
+    /// Stops listening and drops every forwarded connection.
+    pub fn cut(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.cut();
     }
 }
 

@@ -40,9 +40,11 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
     });
     for round in 1..=3 {
         let target = round * UNIQUE / 5;
-        wait_until("progress before the cut", Duration::from_secs(120), || async {
-            B::count(&db, "SELECT count(*) FROM inbox").await >= target
-        })
+        wait_until(
+            "progress before the cut",
+            Duration::from_secs(120),
+            || async { B::count(&db, "SELECT count(*) FROM inbox").await >= target },
+        )
         .await;
         let cut = B::cut_connections(&db).await.expect("a server database");
         assert!(cut > 0, "round {round}: no connection to cut");
@@ -52,14 +54,19 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
         "the stream was done before the last cut"
     );
 
-    wait_until("every message to be applied", Duration::from_secs(180), || async {
-        B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE
-    })
+    wait_until(
+        "every message to be applied",
+        Duration::from_secs(180),
+        || async { B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE },
+    )
     .await;
     nats.wait_drained("c").await;
     shutdown.cancel();
     let stats = run.await.unwrap();
-    assert_eq!(stats.terminated, 0, "a message was dead-lettered: {stats:?}");
+    assert_eq!(
+        stats.terminated, 0,
+        "a message was dead-lettered: {stats:?}"
+    );
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, UNIQUE);
     assert_eq!(
         B::count(&db, "SELECT count(DISTINCT msg_key) FROM ledger").await,

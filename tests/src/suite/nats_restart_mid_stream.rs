@@ -54,14 +54,19 @@ pub async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
     );
     server.restart();
 
-    wait_until("every message to be applied", Duration::from_secs(120), || async {
-        B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE as i64
-    })
+    wait_until(
+        "every message to be applied",
+        Duration::from_secs(120),
+        || async { B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE as i64 },
+    )
     .await;
     nats.wait_drained("c").await;
     shutdown.cancel();
     run.await.unwrap();
-    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, UNIQUE as i64);
+    assert_eq!(
+        B::count(&db, "SELECT count(*) FROM ledger").await,
+        UNIQUE as i64
+    );
     assert_eq!(
         B::count(&db, "SELECT count(DISTINCT msg_key) FROM ledger").await,
         UNIQUE as i64
