@@ -150,6 +150,10 @@ impl Config {
     }
 }
 
+/// How long markers are kept: far above the floor of the consumer credit creates (ack_wait 30 s
+/// × max_deliver 10 + the stream's duplicate window + a 1 h margin).
+pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// Why the example could not start.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -157,7 +161,9 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 /// `shutdown` is cancelled. The database is chosen by `DATABASE_URL`'s scheme. NATS or the
 /// database being down at start is waited out (capped backoff, one log line per attempt).
 pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, Error> {
-    let Some(consumer) = until_up("NATS", &shutdown, || jetstream_consumer(config)).await? else {
+    let Some((consumer, stream)) =
+        until_up("NATS", &shutdown, || jetstream_consumer(config)).await?
+    else {
         return Ok(Stats::default());
     };
     let url = config.database_url.as_str();
@@ -179,7 +185,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
                 return Ok(Stats::default());
             };
             create_accounts_postgres(&pool).await?;
-            serve(pool, consumer, credit_postgres, shutdown).await
+            serve(pool, consumer, &stream, credit_postgres, shutdown).await
         }
         "mysql" | "mariadb" => {
             let connect = || {
@@ -194,7 +200,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
                 return Ok(Stats::default());
             };
             create_accounts_mysql(&pool).await?;
-            serve(pool, consumer, credit_mysql, shutdown).await
+            serve(pool, consumer, &stream, credit_mysql, shutdown).await
         }
         "sqlite" => {
             let options = sqlite_options(url).map_err(|e| format!("DATABASE_URL {url:?}: {e}"))?;
@@ -212,7 +218,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
                 return Ok(Stats::default());
             };
             create_accounts_sqlite(&pool).await?;
-            serve(pool, consumer, credit_sqlite, shutdown).await
+            serve(pool, consumer, &stream, credit_sqlite, shutdown).await
         }
         _ => Err(format!(
             "DATABASE_URL {url:?} is not supported: use postgres://, mysql:// (or mariadb://) or sqlite://"
@@ -270,7 +276,7 @@ where
 }
 
 /// Gets or creates the stream and the durable pull consumer.
-async fn jetstream_consumer(config: &Config) -> Result<PullConsumer, StartError> {
+async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Config), StartError> {
     use async_nats::ConnectErrorKind;
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
@@ -308,13 +314,14 @@ async fn jetstream_consumer(config: &Config) -> Result<PullConsumer, StartError>
         )
         .await
         .map_err(|e| format!("cannot get or create consumer {}: {e}", config.durable))?;
-    Ok(consumer)
+    Ok((consumer, stream.cached_info().config.clone()))
 }
 
 /// Migrates the inbox and runs the worker until `shutdown`.
 async fn serve<H>(
     pool: Pool<H::Db>,
     consumer: PullConsumer,
+    stream: &stream::Config,
     handler: H,
     shutdown: CancellationToken,
 ) -> Result<Stats, Error>
@@ -324,7 +331,9 @@ where
 {
     let inbox = Inbox::new(pool.clone());
     inbox.migrate().await?;
-    let worker = WorkerBuilder::new(inbox, consumer).build(handler)?;
+    let worker = WorkerBuilder::new(inbox, consumer)
+        .cleanup(RETENTION, stream)
+        .build(handler)?;
     let stats = worker.run_until(shutdown).await;
     pool.close().await;
     Ok(stats)

@@ -56,6 +56,32 @@ pub trait InboxBackend: sqlx::Database {
     /// connection killed): the same message may succeed in a fresh transaction.
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;
 
+    /// Deletes at most `?3` finished markers of consumer `?1` received more than `?2` seconds
+    /// (a float) ago, oldest first. Never an open claim (`processed_at IS NULL`).
+    fn cleanup_sql(table: &TableName) -> SqlStr;
+
+    /// Runs one [`InboxBackend::cleanup_sql`] batch on `conn`; returns the rows deleted.
+    fn cleanup_batch<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        older_than_secs: f64,
+        limit: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
+
+    /// Takes the fleet-wide cleanup lock `name` on `conn` without waiting; `false` when another
+    /// instance holds it. A backend with a single writer may always answer `true`.
+    fn try_cleanup_lock<'a>(
+        conn: &'a mut Self::Connection,
+        name: &'a str,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+
+    /// Releases the lock taken by [`InboxBackend::try_cleanup_lock`].
+    fn cleanup_unlock<'a>(
+        conn: &'a mut Self::Connection,
+        name: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+
     /// Runs `migrator` on `pool`.
     fn run_migrator<'a>(
         pool: &'a Pool<Self>,

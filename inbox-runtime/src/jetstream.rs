@@ -6,6 +6,7 @@ use crate::classify::{ErrorClass, classify};
 use crate::dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, DeadLetter, DeadLetters};
 use crate::handler::{Handler, Outcome};
 use crate::key::KeyError;
+use crate::retention::{RetentionFloor, retention_floor};
 use crate::store::{Inbox, ProcessError, message_key};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
@@ -54,6 +55,16 @@ pub enum WorkerError {
         /// The consumer's name.
         consumer: String,
     },
+    /// Markers would be deleted while their message can still be redelivered.
+    #[error(
+        "retention {retention:?} is shorter than the minimum safe retention for this consumer: {floor}"
+    )]
+    RetentionTooShort {
+        /// The configured retention.
+        retention: Duration,
+        /// The minimum and its figures.
+        floor: RetentionFloor,
+    },
     /// The handler's consumer name cannot be a NATS subject token (dead letters go to
     /// `<prefix>.<consumer>`).
     #[error(
@@ -99,6 +110,9 @@ pub struct WorkerBuilder<DB: InboxBackend> {
     attempts: u32,
     dead_letter_stream: String,
     dead_letter_prefix: String,
+    cleanup: Option<(Duration, async_nats::jetstream::stream::Config)>,
+    cleanup_margin: Duration,
+    cleanup_every: Duration,
 }
 
 impl<DB: InboxBackend> WorkerBuilder<DB> {
@@ -114,6 +128,9 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             attempts: 3,
             dead_letter_stream: DEFAULT_DLQ_STREAM.to_owned(),
             dead_letter_prefix: DEFAULT_DLQ_PREFIX.to_owned(),
+            cleanup: None,
+            cleanup_margin: Duration::from_secs(3600),
+            cleanup_every: Duration::from_secs(60),
         }
     }
 
@@ -163,6 +180,31 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
+    /// Deletes this handler's finished markers once they are older than `retention`, every minute,
+    /// in batches, one instance at a time. `stream` is the consumer's stream's configuration
+    /// (`stream.cached_info().config`): `build` refuses a retention shorter than the
+    /// [`retention_floor`](crate::retention_floor) of the consumer and stream, naming each figure.
+    pub fn cleanup(
+        mut self,
+        retention: Duration,
+        stream: &async_nats::jetstream::stream::Config,
+    ) -> Self {
+        self.cleanup = Some((retention, stream.clone()));
+        self
+    }
+
+    /// The operator's margin added to the retention floor (default 1 hour).
+    pub fn cleanup_margin(mut self, margin: Duration) -> Self {
+        self.cleanup_margin = margin;
+        self
+    }
+
+    /// How often cleanup runs (default every 60 s).
+    pub fn cleanup_every(mut self, every: Duration) -> Self {
+        self.cleanup_every = every;
+        self
+    }
+
     /// A worker for `handler`, whose state is `()`.
     pub fn build<H>(self, handler: H) -> Result<Worker<H>, WorkerError>
     where
@@ -208,6 +250,20 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             d => d,
         };
         let (max_deliver, backoff) = (info.config.max_deliver, info.config.backoff.clone());
+        let longest_nak = backoff.iter().copied().max().unwrap_or(self.nak_delay.1);
+        let cleanup = match &self.cleanup {
+            None => None,
+            Some((retention, stream)) => {
+                let floor = retention_floor(&info.config, stream, longest_nak, self.cleanup_margin);
+                if *retention < floor.total() {
+                    return Err(WorkerError::RetentionTooShort {
+                        retention: *retention,
+                        floor,
+                    });
+                }
+                Some((*retention, self.cleanup_every))
+            }
+        };
         Ok(Worker {
             inner: Arc::new(Inner {
                 inbox: self.inbox,
@@ -223,6 +279,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
                 max_deliver,
                 backoff,
                 attempts: self.attempts.max(1),
+                cleanup,
                 dead_letters: DeadLetters::new(
                     self.dead_letter_stream,
                     self.dead_letter_prefix,
@@ -275,6 +332,7 @@ struct Inner<H: Handler> {
     max_deliver: i64,
     backoff: Vec<Duration>,
     attempts: u32,
+    cleanup: Option<(Duration, Duration)>,
     dead_letters: DeadLetters,
 }
 
@@ -322,6 +380,24 @@ where
             concurrency = inner.concurrency,
             "inbox worker started"
         );
+
+        if let Some((retention, every)) = inner.cleanup {
+            let (inner, shutdown) = (self.inner.clone(), shutdown.clone());
+            tasks.spawn(async move {
+                let mut ticks = tokio::time::interval(every);
+                loop {
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = ticks.tick() => {}
+                    }
+                    match inner.inbox.cleanup(H::CONSUMER, retention, 1_000).await {
+                        Ok(Some(n)) if n > 0 => tracing::info!(deleted = n, "inbox cleanup"),
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!(error = %e, "inbox cleanup failed"),
+                    }
+                }
+            });
+        }
 
         'pull: while !shutdown.is_cancelled() {
             // Fetch only as many messages as can start now: prefetching more than can be processed

@@ -45,6 +45,7 @@ mod dead_letter;
 mod handler;
 mod jetstream;
 mod key;
+mod retention;
 mod store;
 
 #[cfg(feature = "sqlite")]
@@ -57,6 +58,7 @@ pub use jetstream::{
     AckMode, Stats, Worker, WorkerBuilder, WorkerError, process_delivery, transport_id,
 };
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
+pub use retention::{RetentionFloor, retention_floor};
 pub use store::{Inbox, InvalidTableName, ProcessError, Stage, TableName};
 
 /// Makes an `async fn` an idempotent message handler.

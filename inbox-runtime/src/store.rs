@@ -198,6 +198,42 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
+    /// Deletes `consumer`'s finished markers received more than `older_than` ago, in batches of
+    /// `batch` rows (short transactions that never hold up the hot path for long), one instance at
+    /// a time across the fleet. Returns how many were deleted, or `None` when another instance
+    /// is cleaning up. Open claims are never deleted.
+    ///
+    /// `older_than` must cover every possible redelivery: see [`retention_floor`](crate::retention_floor).
+    pub async fn cleanup(
+        &self,
+        consumer: &str,
+        older_than: std::time::Duration,
+        batch: u32,
+    ) -> Result<Option<u64>, sqlx::Error> {
+        let lock = format!("inbox-cleanup:{}:{consumer}", self.table);
+        let mut conn = self.pool.acquire().await?;
+        if !DB::try_cleanup_lock(&mut conn, &lock).await? {
+            return Ok(None);
+        }
+        let sql = DB::cleanup_sql(&self.table);
+        let mut deleted = 0;
+        let result = loop {
+            let limit = i64::from(batch.max(1));
+            let secs = older_than.as_secs_f64();
+            match DB::cleanup_batch(&mut conn, sql.clone(), consumer, secs, limit).await {
+                Ok(0) => break Ok(Some(deleted)),
+                Ok(n) => deleted += n,
+                Err(e) => break Err(e),
+            }
+        };
+        if let Err(e) = DB::cleanup_unlock(&mut conn, &lock).await {
+            // A lock left on a pooled connection would stop every later cleanup: drop it.
+            tracing::warn!(error = %e, "releasing the cleanup lock failed; closing the connection");
+            let _ = conn.detach();
+        }
+        result
+    }
+
     /// Processes `message` exactly once: in a fresh transaction, claims its key and, when the claim
     /// is new, runs the handler and commits both. Returns [`Outcome::Skip`] for a duplicate, in
     /// which case the handler did not run.

@@ -43,12 +43,19 @@ pub trait TestBackend: Send + Sync + 'static {
     /// `payment`.
     type Payment: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
 
+    /// Whether the database admits one writer at a time (SQLite), which serialises what the
+    /// others must lock for.
+    const SINGLE_WRITER: bool = false;
+
     /// A fresh database with the business tables (`ledger`, `accounts`, `payments`) and a pool of
     /// `max` connections; fails naming the server when it cannot be reached.
     fn create(max: u32) -> impl Future<Output = TestDb<Self::Db>> + Send;
 
     /// A pool on the database at `url`: with [`TestDb::url`], another "instance".
     fn connect(url: &str, max: u32) -> impl Future<Output = Pool<Self::Db>> + Send;
+
+    /// Runs `sql` (no binds).
+    fn exec(db: &TestDb<Self::Db>, sql: &'static str) -> impl Future<Output = ()> + Send;
 
     /// The single number `sql` (a `SELECT count(..)`) returns.
     fn count(db: &TestDb<Self::Db>, sql: &'static str) -> impl Future<Output = i64> + Send;
@@ -60,6 +67,9 @@ pub trait TestBackend: Send + Sync + 'static {
     /// Ends every other session on the test database, as a failover or an operator would; returns
     /// how many. `None` where the database has no connections to cut (SQLite is in-process).
     fn cut_connections(db: &TestDb<Self::Db>) -> impl Future<Output = Option<u64>> + Send;
+
+    /// Moves the marker of `key` two hours into the past (`received_at`), as if time had passed.
+    fn backdate(db: &TestDb<Self::Db>, key: &'static str) -> impl Future<Output = ()> + Send;
 
     /// `accounts` as (id, balance).
     fn balances(db: &TestDb<Self::Db>) -> impl Future<Output = BTreeMap<i64, i64>> + Send;
@@ -95,6 +105,13 @@ macro_rules! common_queries {
                     Err(e) => panic!("{sql}: {e}"),
                 }
             }
+        }
+
+        async fn exec(db: &TestDb<$db>, sql: &'static str) {
+            sqlx::query(sql)
+                .execute(&db.pool)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
         }
 
         async fn balances(db: &TestDb<$db>) -> BTreeMap<i64, i64> {
@@ -201,6 +218,16 @@ impl TestBackend for Postgres {
         .expect("pg_terminate_backend");
         admin.close().await;
         Some(cut as u64)
+    }
+
+    async fn backdate(db: &TestDb<sqlx::Postgres>, key: &'static str) {
+        sqlx::query(
+            "UPDATE inbox SET received_at = now() - interval '2 hours' WHERE message_key = $1",
+        )
+        .bind(key)
+        .execute(&db.pool)
+        .await
+        .expect("backdate");
     }
 
     async fn waiting_writers(db: &TestDb<sqlx::Postgres>) -> i64 {
@@ -327,6 +354,14 @@ impl TestBackend for MySql {
         Some(sessions.len() as u64)
     }
 
+    async fn backdate(db: &TestDb<sqlx::MySql>, key: &'static str) {
+        sqlx::query("UPDATE inbox SET received_at = CURRENT_TIMESTAMP(6) - INTERVAL 2 HOUR WHERE message_key = ?")
+            .bind(key)
+            .execute(&db.pool)
+            .await
+            .expect("backdate");
+    }
+
     async fn waiting_writers(db: &TestDb<sqlx::MySql>) -> i64 {
         sqlx::query_scalar::<_, i64>(
             // information_schema.innodb_trx proved unreliable on MariaDB 10.11 (it missed
@@ -362,6 +397,7 @@ impl TestBackend for Sqlite {
     type LedgerByTransportId = sqlite::ledger_by_transport_id;
     type Credit = sqlite::credit;
     type Payment = sqlite::payment;
+    const SINGLE_WRITER: bool = true;
 
     async fn create(max: u32) -> TestDb<sqlx::Sqlite> {
         let name = unique("inbox_t_");
@@ -407,6 +443,14 @@ impl TestBackend for Sqlite {
 
     async fn cut_connections(_: &TestDb<sqlx::Sqlite>) -> Option<u64> {
         None
+    }
+
+    async fn backdate(db: &TestDb<sqlx::Sqlite>, key: &'static str) {
+        sqlx::query("UPDATE inbox SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-2 hours') WHERE message_key = ?1")
+            .bind(key)
+            .execute(&db.pool)
+            .await
+            .expect("backdate");
     }
 
     async fn waiting_writers(db: &TestDb<sqlx::Sqlite>) -> i64 {

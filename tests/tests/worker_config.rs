@@ -7,6 +7,7 @@ use inbox_runtime::{Tx, WorkerError, idempotent};
 use inbox_tests::NatsStream;
 use inbox_tests::backends::{Postgres, TestBackend};
 use inbox_tests::handlers::Entry;
+use std::time::Duration;
 
 #[idempotent(consumer = "bad name", key = msg.key)]
 async fn badly_named(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
@@ -80,6 +81,43 @@ async fn bad_configurations_are_rejected_at_build() {
         .unwrap();
     assert!(matches!(err, WorkerError::ConsumerName { .. }), "{err}");
     assert!(err.to_string().contains("\"bad name\""), "{err}");
+
+    // ack_wait 30 s × max_deliver 5 + duplicate window 120 s + margin 60 s = 330 s.
+    let stream = nats
+        .js
+        .get_stream(&nats.stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    let err = nats
+        .worker(inbox.clone(), ok.clone())
+        .cleanup(Duration::from_secs(329), &stream)
+        .cleanup_margin(Duration::from_secs(60))
+        .build(fine)
+        .err()
+        .unwrap();
+    assert!(
+        matches!(err, WorkerError::RetentionTooShort { .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    for figure in [
+        "ack_wait 30s",
+        "max_deliver 5",
+        "duplicate window 120s",
+        "margin 60s",
+        "= 330s",
+    ] {
+        assert!(text.contains(figure), "{figure:?} missing from: {text}");
+    }
+    let long_enough = nats
+        .worker(inbox.clone(), ok.clone())
+        .cleanup(Duration::from_secs(330), &stream)
+        .cleanup_margin(Duration::from_secs(60))
+        .build(fine);
+    assert!(long_enough.is_ok());
 
     let err = nats
         .worker(inbox.clone(), ok.clone())

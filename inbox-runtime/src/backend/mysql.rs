@@ -84,6 +84,53 @@ impl InboxBackend for MySql {
             })
     }
 
+    fn cleanup_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE consumer = ? AND processed_at IS NOT NULL \
+             AND received_at < CURRENT_TIMESTAMP(6) - INTERVAL CAST(? * 1000000 AS SIGNED) MICROSECOND \
+             ORDER BY id LIMIT ?"
+        ))
+        .into_sql_str()
+    }
+
+    async fn cleanup_batch<'a>(
+        conn: &'a mut sqlx::MySqlConnection,
+        sql: SqlStr,
+        consumer: &'a str,
+        older_than_secs: f64,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(sql)
+            .bind(consumer)
+            .bind(older_than_secs)
+            .bind(limit)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn try_cleanup_lock<'a>(
+        conn: &'a mut sqlx::MySqlConnection,
+        name: &'a str,
+    ) -> Result<bool, sqlx::Error> {
+        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+            .bind(name)
+            .fetch_one(conn)
+            .await?;
+        Ok(got == Some(1))
+    }
+
+    async fn cleanup_unlock<'a>(
+        conn: &'a mut sqlx::MySqlConnection,
+        name: &'a str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("DO RELEASE_LOCK(?)")
+            .bind(name)
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+
     fn run_migrator<'a>(
         pool: &'a Pool<Self>,
         migrator: &'a Migrator,

@@ -71,6 +71,52 @@ impl InboxBackend for Postgres {
         })
     }
 
+    fn cleanup_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \
+             WHERE consumer = $1 AND processed_at IS NOT NULL \
+             AND received_at < now() - make_interval(secs => $2) ORDER BY id LIMIT $3)"
+        ))
+        .into_sql_str()
+    }
+
+    async fn cleanup_batch<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        sql: SqlStr,
+        consumer: &'a str,
+        older_than_secs: f64,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(sql)
+            .bind(consumer)
+            .bind(older_than_secs)
+            .bind(limit)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn try_cleanup_lock<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        name: &'a str,
+    ) -> Result<bool, sqlx::Error> {
+        sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
+            .bind(name)
+            .fetch_one(conn)
+            .await
+    }
+
+    async fn cleanup_unlock<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        name: &'a str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT pg_advisory_unlock(hashtext($1))")
+            .bind(name)
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+
     fn run_migrator<'a>(
         pool: &'a Pool<Self>,
         migrator: &'a Migrator,

@@ -73,6 +73,47 @@ impl InboxBackend for Sqlite {
             .is_some_and(|code| matches!(code & 0xff, 5 | 6))
     }
 
+    fn cleanup_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \
+             WHERE consumer = ?1 AND processed_at IS NOT NULL \
+             AND received_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || ?2 || ' seconds') \
+             ORDER BY id LIMIT ?3)"
+        ))
+        .into_sql_str()
+    }
+
+    async fn cleanup_batch<'a>(
+        conn: &'a mut sqlx::SqliteConnection,
+        sql: SqlStr,
+        consumer: &'a str,
+        older_than_secs: f64,
+        limit: i64,
+    ) -> Result<u64, sqlx::Error> {
+        let done = sqlx::query(sql)
+            .bind(consumer)
+            .bind(older_than_secs)
+            .bind(limit)
+            .execute(conn)
+            .await?;
+        Ok(done.rows_affected())
+    }
+
+    async fn try_cleanup_lock<'a>(
+        _: &'a mut sqlx::SqliteConnection,
+        _: &'a str,
+    ) -> Result<bool, sqlx::Error> {
+        // One writer at a time already: concurrent cleanups serialise on the write lock.
+        Ok(true)
+    }
+
+    async fn cleanup_unlock<'a>(
+        _: &'a mut sqlx::SqliteConnection,
+        _: &'a str,
+    ) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
     fn run_migrator<'a>(
         pool: &'a Pool<Self>,
         migrator: &'a Migrator,

@@ -7,6 +7,7 @@
 pub mod all_or_nothing;
 pub mod bad_input_is_dead_lettered;
 pub mod business_unique_violation_is_an_error;
+pub mod cleanup;
 pub mod committed_not_acked_is_skipped_on_redelivery;
 pub mod concurrent_migrations;
 pub mod failures_are_retried_or_dead_lettered;
@@ -39,6 +40,8 @@ macro_rules! conformance {
                 all_or_nothing::check_violation_rolls_back_the_marker,
                 all_or_nothing::check_violation_is_dead_lettered_not_acked,
                 business_unique_violation_is_an_error::business_unique_violation_is_an_error_not_a_skip,
+                cleanup::cleanup_deletes_only_old_finished_markers,
+                cleanup::cleanup_runs_one_instance_at_a_time,
                 committed_not_acked_is_skipped_on_redelivery::committed_but_not_acked_is_skipped_on_redelivery,
                 concurrent_migrations::instances_migrating_together_all_succeed,
                 failures_are_retried_or_dead_lettered::transient_failure_is_retried_in_process,

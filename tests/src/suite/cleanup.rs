@@ -1,0 +1,94 @@
+//! Cleanup deletes finished markers older than the retention, in bounded batches, never an open
+//! claim, and one instance at a time. Time is moved by back-dating rows.
+
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::Entry;
+use inbox_runtime::{InboxBackend, Outcome};
+use std::time::Duration;
+
+/// Old finished markers go; recent ones and open claims stay.
+pub async fn cleanup_deletes_only_old_finished_markers<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    for key in ["old-1", "old-2", "old-3", "new-1", "new-2"] {
+        let entry = Entry {
+            key: key.into(),
+            account: 1,
+            amount: 1,
+        };
+        let outcome = inbox.process(&B::Credit::default(), &(), entry, None).await;
+        assert_eq!(outcome.unwrap(), Outcome::Ack);
+    }
+    // An open claim (a two-phase claim whose side effect is still running), also old.
+    B::exec(
+        &db,
+        "INSERT INTO inbox (consumer, message_key) VALUES ('credit', 'open')",
+    )
+    .await;
+    for key in ["old-1", "old-2", "old-3", "open"] {
+        B::backdate(&db, key).await;
+    }
+    // Another consumer's old marker is not this consumer's to delete.
+    B::exec(
+        &db,
+        "INSERT INTO inbox (consumer, message_key, received_at, processed_at) \
+         SELECT 'other', message_key, received_at, processed_at FROM inbox WHERE message_key = 'old-1'",
+    )
+    .await;
+
+    let deleted = inbox
+        .cleanup("credit", Duration::from_secs(3600), 2)
+        .await
+        .unwrap();
+    assert_eq!(deleted, Some(3));
+    let left = B::count(&db, "SELECT count(*) FROM inbox WHERE consumer = 'credit'").await;
+    assert_eq!(left, 3, "two recent markers and the open claim remain");
+    let open = B::count(&db, "SELECT count(*) FROM inbox WHERE message_key = 'open'").await;
+    assert_eq!(open, 1);
+    let other = B::count(&db, "SELECT count(*) FROM inbox WHERE consumer = 'other'").await;
+    assert_eq!(other, 1);
+    // Nothing more is old enough.
+    let again = inbox.cleanup("credit", Duration::from_secs(3600), 2).await;
+    assert_eq!(again.unwrap(), Some(0));
+}
+
+/// While one instance holds the cleanup lock, another's cleanup does nothing (on backends with
+/// more than one writer; SQLite's single writer serialises them anyway).
+pub async fn cleanup_runs_one_instance_at_a_time<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let entry = Entry {
+        key: "old".into(),
+        account: 1,
+        amount: 1,
+    };
+    inbox
+        .process(&B::Credit::default(), &(), entry, None)
+        .await
+        .unwrap();
+    B::backdate(&db, "old").await;
+
+    let mut holder = db.pool.acquire().await.unwrap();
+    let lock = "inbox-cleanup:inbox:credit";
+    assert!(B::Db::try_cleanup_lock(&mut holder, lock).await.unwrap());
+    let while_held = inbox
+        .cleanup("credit", Duration::from_secs(3600), 10)
+        .await
+        .unwrap();
+    if B::SINGLE_WRITER {
+        assert_eq!(while_held, Some(1));
+    } else {
+        assert_eq!(
+            while_held, None,
+            "a second instance cleaned up concurrently"
+        );
+        assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
+        B::Db::cleanup_unlock(&mut holder, lock).await.unwrap();
+        drop(holder);
+        let after = inbox
+            .cleanup("credit", Duration::from_secs(3600), 10)
+            .await
+            .unwrap();
+        assert_eq!(after, Some(1));
+    }
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
+}
