@@ -28,7 +28,7 @@ const DEADLINE: Duration = Duration::from_secs(300);
 
 /// Runs the demo.
 pub fn run() -> Result<(), String> {
-    let root = workspace_root();
+    let root = crate::workspace_root();
     println!("building the credit example (release)...");
     let status = std::process::Command::new(crate::cargo())
         .args([
@@ -52,13 +52,6 @@ pub fn run() -> Result<(), String> {
     tokio::runtime::Runtime::new()
         .map_err(|e| e.to_string())?
         .block_on(demo(credit, logs))
-}
-
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_owned()
 }
 
 struct Demo {
@@ -90,7 +83,7 @@ async fn demo(credit: PathBuf, logs: PathBuf) -> Result<(), String> {
     let private = if nats_answers(&requested_nats) {
         None
     } else {
-        Some(PrivateNats::start(&run)?)
+        Some(crate::nats::PrivateNats::start(&run)?)
     };
     let d = Demo {
         stream: format!("CREDITS_DEMO_{run}"),
@@ -127,7 +120,7 @@ async fn demo(credit: PathBuf, logs: PathBuf) -> Result<(), String> {
     result
 }
 
-fn nats_answers(url: &str) -> bool {
+pub(crate) fn nats_answers(url: &str) -> bool {
     let host_port = url.split("://").last().unwrap_or(url).trim_end_matches('/');
     use std::net::ToSocketAddrs;
     host_port
@@ -136,65 +129,6 @@ fn nats_answers(url: &str) -> bool {
             addrs.any(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(1)).is_ok())
         })
         .unwrap_or(false)
-}
-
-/// A `nats-server` of the demo's own: JetStream, a free loopback port, a temporary store.
-struct PrivateNats {
-    url: String,
-    child: std::process::Child,
-    store: PathBuf,
-}
-
-impl PrivateNats {
-    fn start(run: &str) -> Result<PrivateNats, String> {
-        let binary = std::env::var_os("PATH")
-            .into_iter()
-            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-            .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")])
-            .map(|dir| dir.join("nats-server"))
-            .find(|p| p.is_file())
-            .ok_or(
-                "no NATS answers at NATS_URL and there is no nats-server binary to start one: \
-                 install it (Debian: `apt-get install nats-server`) or set NATS_URL",
-            )?;
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map_err(|e| format!("no free port: {e}"))?
-            .port();
-        let store = std::env::temp_dir().join(format!("inbox-demo-nats-{run}"));
-        println!(
-            "no NATS answers; starting {} on port {port}",
-            binary.display()
-        );
-        let child = std::process::Command::new(&binary)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(&store)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
-        let nats = PrivateNats {
-            url: format!("nats://127.0.0.1:{port}"),
-            child,
-            store,
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !crate::services::answers(&format!("127.0.0.1:{port}")) {
-            if Instant::now() > deadline {
-                return Err("the private nats-server did not start within 30 s".into());
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(nats)
-    }
-}
-
-impl Drop for PrivateNats {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.store);
-    }
 }
 
 async fn demo_on(
