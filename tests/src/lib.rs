@@ -368,6 +368,52 @@ pub async fn connect(url: &str) -> async_nats::Client {
         })
 }
 
+/// A worker running in the background until [`Running::stop`].
+pub struct Running {
+    shutdown: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<inbox_runtime::Stats>,
+}
+
+impl Running {
+    /// Starts `worker` (a clone of it: clones share counters and state) on a task of its own.
+    pub fn start<H>(worker: &inbox_runtime::Worker<H>) -> Running
+    where
+        H: inbox_runtime::Handler,
+        H::Message: serde::de::DeserializeOwned,
+    {
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let task = tokio::spawn({
+            let (worker, shutdown) = (worker.clone(), shutdown.clone());
+            async move { worker.run_until(shutdown).await }
+        });
+        Running { shutdown, task }
+    }
+
+    /// Asks the worker to stop, without waiting.
+    pub fn cancel(&self) {
+        self.shutdown.cancel();
+    }
+
+    /// Whether the worker has returned.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Waits (up to 60 s) for the worker to return, after a [`Running::cancel`].
+    pub async fn join(self) -> inbox_runtime::Stats {
+        tokio::time::timeout(Duration::from_secs(60), self.task)
+            .await
+            .expect("the worker did not stop within 60 s")
+            .expect("the worker panicked")
+    }
+
+    /// Stops the worker and returns what it did.
+    pub async fn stop(self) -> inbox_runtime::Stats {
+        self.cancel();
+        self.join().await
+    }
+}
+
 /// Polls `cond` until it holds, failing the test after `deadline`. Never a fixed sleep.
 pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut cond: F)
 where

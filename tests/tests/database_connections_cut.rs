@@ -5,9 +5,8 @@
 use inbox_runtime::Inbox;
 use inbox_tests::backends::{MySql, Postgres, TestBackend};
 use inbox_tests::handlers::{Entry, Probe};
-use inbox_tests::{NatsStream, wait_until};
+use inbox_tests::{NatsStream, Running, wait_until};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 const UNIQUE: i64 = 600;
 
@@ -33,11 +32,7 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
         .worker(inbox, nats.consumer_on_new_connection("c").await)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (worker.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&worker);
     for round in 1..=3 {
         let target = round * UNIQUE / 5;
         wait_until(
@@ -61,8 +56,7 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
     )
     .await;
     nats.wait_drained("c").await;
-    shutdown.cancel();
-    let stats = run.await.unwrap();
+    let stats = run.stop().await;
     assert_eq!(
         stats.terminated, 0,
         "a message was dead-lettered: {stats:?}"

@@ -4,11 +4,10 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
-use crate::{NatsStream, wait_until};
+use crate::{NatsStream, Running, wait_until};
 use inbox_runtime::ProcessError;
 use sqlx::error::ErrorKind;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 fn overdraw() -> Entry {
     Entry {
@@ -52,18 +51,13 @@ pub async fn check_violation_is_dead_lettered_not_acked<B: TestBackend>() {
         .worker(inbox, consumer)
         .build(B::Credit::default())
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (worker.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&worker);
     wait_until("the dead letter", Duration::from_secs(30), || async {
         worker.stats().terminated == 1
     })
     .await;
     nats.wait_drained("c").await;
-    shutdown.cancel();
-    let stats = run.await.unwrap();
+    let stats = run.stop().await;
     assert_eq!(
         (stats.acked, stats.skipped, stats.nacked),
         (0, 0, 0),

@@ -4,9 +4,8 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, wait_until};
+use crate::{NatsStream, Running, wait_until};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// The test.
 pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
@@ -51,11 +50,7 @@ pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
         .concurrency(1)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (worker.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&worker);
     wait_until(
         "every message to be handled",
         Duration::from_secs(60),
@@ -66,8 +61,7 @@ pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
     )
     .await;
     nats.wait_drained("c").await;
-    shutdown.cancel();
-    let stats = run.await.unwrap();
+    let stats = run.stop().await;
     assert_eq!(stats.nacked, 0);
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 6);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 6);

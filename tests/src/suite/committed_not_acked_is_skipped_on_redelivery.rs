@@ -5,11 +5,10 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
-use crate::{NatsStream, wait_until};
+use crate::{NatsStream, Running, wait_until};
 use futures::StreamExt;
 use inbox_runtime::{Outcome, process_delivery};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// The test.
 pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
@@ -39,11 +38,7 @@ pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() 
     drop(batch);
 
     let worker = nats.worker(inbox, consumer).build(handler).unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (worker.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&worker);
     wait_until(
         "the redelivery to be skipped",
         Duration::from_secs(60),
@@ -51,8 +46,7 @@ pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() 
     )
     .await;
     nats.wait_drained("c").await;
-    shutdown.cancel();
-    let stats = run.await.unwrap();
+    let stats = run.stop().await;
     assert_eq!(stats.acked, 0);
     assert_eq!(stats.skipped, 1);
     // Two deliveries of the one stored message: the original and the redelivery.

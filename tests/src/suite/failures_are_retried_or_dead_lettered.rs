@@ -6,10 +6,9 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Failure, Probe};
-use crate::{MAX_DELIVER, NatsStream, wait_until};
+use crate::{MAX_DELIVER, NatsStream, Running, wait_until};
 use inbox_runtime::{Stats, WorkerBuilder};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// Runs `builder`'s worker with `probe` on one published message until `done` holds.
 async fn run_one<B: TestBackend>(
@@ -29,17 +28,12 @@ async fn run_one<B: TestBackend>(
         .nak_delay(Duration::from_millis(10), Duration::from_millis(10))
         .build_with_state(B::Ledger::default(), probe)
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (worker.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&worker);
     wait_until("the expected outcome", Duration::from_secs(60), || async {
         done(worker.stats())
     })
     .await;
-    shutdown.cancel();
-    run.await.unwrap()
+    run.stop().await
 }
 
 /// Transient: retried at once, in the same delivery.

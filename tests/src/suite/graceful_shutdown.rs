@@ -4,9 +4,8 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, wait_until};
+use crate::{NatsStream, Running, wait_until};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// The test.
 pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
@@ -31,25 +30,18 @@ pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
         .concurrency(1)
         .build_with_state(B::Ledger::default(), Probe::held(false))
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (first.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&first);
     wait_until("a message in flight", Duration::from_secs(30), || async {
         nats.info("c").await.num_ack_pending == 1
     })
     .await;
-    shutdown.cancel();
+    run.cancel();
     assert!(
         !run.is_finished(),
         "the worker stopped with a handler in flight"
     );
     first.state().release();
-    let stats = tokio::time::timeout(Duration::from_secs(30), run)
-        .await
-        .expect("the worker did not stop")
-        .unwrap();
+    let stats = run.join().await;
     assert_eq!(
         stats.acked, 1,
         "the in-flight message was not finished: {stats:?}"
@@ -61,14 +53,9 @@ pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
         .worker(inbox, nats.consumer_on_new_connection("c").await)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (second.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&second);
     nats.wait_drained("c").await;
-    shutdown.cancel();
-    let stats = run.await.unwrap();
+    let stats = run.stop().await;
     assert_eq!(stats.acked, 4, "{stats:?}");
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 5);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 5);

@@ -4,9 +4,8 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, wait_until};
+use crate::{NatsStream, Running, wait_until};
 use std::time::{Duration, Instant};
-use tokio_util::sync::CancellationToken;
 
 /// The test.
 pub async fn long_handler_is_not_redelivered<B: TestBackend>() {
@@ -27,11 +26,7 @@ pub async fn long_handler_is_not_redelivered<B: TestBackend>() {
         .concurrency(2)
         .build_with_state(B::Ledger::default(), Probe::held(false))
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (worker.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&worker);
     worker.state().entered().await;
     // The scenario itself: the handler holds for four times ack_wait.
     let held_since = Instant::now();
@@ -52,8 +47,7 @@ pub async fn long_handler_is_not_redelivered<B: TestBackend>() {
     })
     .await;
     nats.wait_drained("c").await;
-    shutdown.cancel();
-    run.await.unwrap();
+    run.stop().await;
     assert_eq!(worker.state().runs(), 1);
     assert_eq!(nats.info("c").await.delivered.consumer_sequence, 1);
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);

@@ -4,9 +4,8 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, PrivateNats, wait_until};
+use crate::{NatsStream, PrivateNats, Running, wait_until};
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 const UNIQUE: usize = 400;
 
@@ -34,11 +33,7 @@ pub async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
         .worker(inbox, nats.consumer_on_new_connection("c").await)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
-    let shutdown = CancellationToken::new();
-    let run = tokio::spawn({
-        let (worker, shutdown) = (worker.clone(), shutdown.clone());
-        async move { worker.run_until(shutdown).await }
-    });
+    let run = Running::start(&worker);
     wait_until("some progress", Duration::from_secs(60), || async {
         B::count(&db, "SELECT count(*) FROM inbox").await >= 50
     })
@@ -61,8 +56,7 @@ pub async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
     )
     .await;
     nats.wait_drained("c").await;
-    shutdown.cancel();
-    run.await.unwrap();
+    run.stop().await;
     assert_eq!(
         B::count(&db, "SELECT count(*) FROM ledger").await,
         UNIQUE as i64

@@ -5,10 +5,9 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, wait_until};
+use crate::{NatsStream, Running, wait_until};
 use inbox_runtime::Inbox;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 const UNIQUE: usize = 1_000;
 
@@ -30,7 +29,6 @@ pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
     nats.publish_all(entries.iter().flat_map(|e| [e.json(), e.json()]))
         .await;
 
-    let shutdown = CancellationToken::new();
     let mut workers = Vec::new();
     for _ in 0..2 {
         let inbox = Inbox::new(B::connect(&db.url, 8).await);
@@ -39,10 +37,7 @@ pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
             .worker(inbox, consumer)
             .build_with_state(B::Ledger::default(), Probe::open())
             .unwrap();
-        let run = tokio::spawn({
-            let (worker, shutdown) = (worker.clone(), shutdown.clone());
-            async move { worker.run_until(shutdown).await }
-        });
+        let run = Running::start(&worker);
         workers.push((worker, run));
     }
     wait_until(
@@ -58,11 +53,10 @@ pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
     )
     .await;
     nats.wait_drained("c").await;
-    shutdown.cancel();
     let mut acked = 0;
     let mut skipped = 0;
     for (_, run) in workers {
-        let stats = run.await.unwrap();
+        let stats = run.stop().await;
         assert!(stats.acked > 0, "an instance did no work: {stats:?}");
         acked += stats.acked;
         skipped += stats.skipped;
