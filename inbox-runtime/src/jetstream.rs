@@ -587,11 +587,7 @@ where
 
     /// The consumer's `backoff` step for this delivery when it has one, else ours.
     fn redelivery_delay(&self, delivered: i64) -> Duration {
-        if self.backoff.is_empty() {
-            return nak_delay(self.nak_delay, delivered);
-        }
-        let i = (delivered.max(1) as usize - 1).min(self.backoff.len() - 1);
-        self.backoff[i]
+        redelivery_delay(&self.backoff, self.nak_delay, delivered)
     }
 
     /// [`Self::process`], retried at once with a fresh transaction while the failure is
@@ -699,6 +695,18 @@ where
     inbox.process_keyed(handler, state, decoded, &key).await
 }
 
+/// The delay of the nak after delivery `delivered` failed: the consumer's `backoff` step for it
+/// (the last step repeating) when the consumer has a backoff, else [`nak_delay`].
+fn redelivery_delay(backoff: &[Duration], ours: (Duration, Duration), delivered: i64) -> Duration {
+    match backoff.last() {
+        None => nak_delay(ours, delivered),
+        Some(last) => {
+            let i = usize::try_from(delivered.max(1) - 1).unwrap_or(usize::MAX);
+            backoff.get(i).copied().unwrap_or(*last)
+        }
+    }
+}
+
 /// `base * 2^(delivered - 1)`, capped at `max`.
 fn nak_delay((base, max): (Duration, Duration), delivered: i64) -> Duration {
     let exp = delivered.saturating_sub(1).clamp(0, 16) as u32;
@@ -755,6 +763,16 @@ impl Backoff {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redelivery_delay_follows_the_consumer_backoff() {
+        let ours = (Duration::from_secs(1), Duration::from_secs(30));
+        let backoff = [Duration::from_secs(5), Duration::from_secs(60)];
+        assert_eq!(redelivery_delay(&backoff, ours, 1), Duration::from_secs(5));
+        assert_eq!(redelivery_delay(&backoff, ours, 2), Duration::from_secs(60));
+        assert_eq!(redelivery_delay(&backoff, ours, 9), Duration::from_secs(60));
+        assert_eq!(redelivery_delay(&[], ours, 3), Duration::from_secs(4));
+    }
 
     #[test]
     fn subject_tokens() {

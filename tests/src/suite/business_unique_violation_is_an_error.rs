@@ -4,7 +4,7 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
-use inbox_runtime::{Outcome, ProcessError};
+use inbox_runtime::{ErrorClass, Outcome, ProcessError, classify};
 
 /// The test.
 pub async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() {
@@ -37,6 +37,8 @@ pub async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() 
             .is_some_and(|e| e.is_unique_violation()),
         "unexpected error: {sqlx_err}"
     );
+    // An integrity violation in the business write is permanent: dead-lettered, not retried.
+    assert_eq!(classify::<B::Db>(&err), ErrorClass::Permanent);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
     assert_eq!(B::count(&db, "SELECT count(*) FROM payments").await, 1);
 }
