@@ -12,6 +12,7 @@ pub mod committed_not_acked_is_skipped_on_redelivery;
 pub mod concurrent_migrations;
 pub mod failures_are_retried_or_dead_lettered;
 pub mod graceful_shutdown;
+pub mod held_race;
 pub mod held_race_commit;
 pub mod held_race_rollback;
 pub mod invalid_keys_are_rejected;
