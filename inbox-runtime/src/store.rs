@@ -114,14 +114,6 @@ pub enum ProcessError {
     Handler(BoxError),
 }
 
-impl ProcessError {
-    /// Whether redelivering the same message can never succeed (poison), so that it must be
-    /// taken out of the stream rather than retried.
-    pub fn is_permanent(&self) -> bool {
-        matches!(self, ProcessError::Decode { .. } | ProcessError::Key(_))
-    }
-}
-
 /// The inbox over one database pool and table. Cheap to clone.
 ///
 /// Each message costs exactly BEGIN, the claim, the handler's statements and COMMIT. Build the

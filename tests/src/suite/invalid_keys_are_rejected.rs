@@ -3,7 +3,7 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use inbox_runtime::{KeyError, Outcome, ProcessError};
+use inbox_runtime::{ErrorClass, KeyError, Outcome, ProcessError, classify};
 
 /// The test.
 pub async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
@@ -21,7 +21,7 @@ pub async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
         .await
         .unwrap_err();
     assert!(matches!(err, ProcessError::Key(KeyError::Empty)), "{err:?}");
-    assert!(err.is_permanent());
+    assert_eq!(classify::<B::Db>(&err), ErrorClass::Permanent);
     let err = inbox
         .process(&ledger, &probe, entry("é".repeat(128)), None)
         .await
