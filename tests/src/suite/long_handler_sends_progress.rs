@@ -41,6 +41,12 @@ pub async fn long_handler_is_not_redelivered<B: TestBackend>() {
         info.delivered.consumer_sequence, 1,
         "the message was redelivered while its handler ran"
     );
+    // The handler's transaction is still open: nothing may have been acked yet.
+    assert_eq!(
+        (info.ack_floor.stream_sequence, info.num_ack_pending),
+        (0, 1),
+        "acked before its effect was committed"
+    );
     worker.state().release();
     wait_until("the ack", Duration::from_secs(30), || async {
         worker.stats().acked == 1
