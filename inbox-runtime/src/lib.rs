@@ -40,6 +40,7 @@
 //! ```
 
 mod backend;
+mod backoff;
 mod classify;
 mod dead_letter;
 mod handler;
@@ -50,6 +51,7 @@ mod store;
 
 #[cfg(feature = "sqlite")]
 pub use backend::sqlite_options;
+pub use backoff::Backoff;
 pub use backend::{Claim, InboxBackend, is_transient};
 pub use classify::{ErrorClass, Permanent, Transient, classify};
 pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
