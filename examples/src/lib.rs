@@ -6,7 +6,7 @@
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use inbox_runtime::{
-    Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder, idempotent, is_transient,
+    Backoff, Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder, idempotent, is_transient,
     sqlite_options,
 };
 use serde::{Deserialize, Serialize};
@@ -258,18 +258,18 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, StartError>>,
 {
-    let mut wait = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
     loop {
         match step().await {
             Ok(value) => return Ok(Some(value)),
             Err(StartError::Fatal(e)) => return Err(e),
             Err(StartError::Down(e)) => {
+                let wait = backoff.next();
                 tracing::warn!("{what} is not reachable ({e}); retrying in {wait:?}");
                 tokio::select! {
                     _ = shutdown.cancelled() => return Ok(None),
                     _ = tokio::time::sleep(wait) => {}
                 }
-                wait = (wait * 2).min(Duration::from_secs(10));
             }
         }
     }

@@ -1,8 +1,10 @@
-//! What differs per database, behind one trait; the generic code never asks which database it is.
+//! What differs per database, behind one sealed trait; the generic code never asks which database
+//! it is. A backend writes its dialect's SQL and overrides only what behaves differently; the
+//! statements every dialect runs alike have default bodies over sqlx's generic executor bounds.
 
-use crate::store::TableName;
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
+use std::fmt;
 use std::future::Future;
 
 #[cfg(feature = "mysql")]
@@ -14,79 +16,262 @@ mod sqlite;
 #[cfg(feature = "sqlite")]
 pub use sqlite::sqlite_options;
 
-/// The result of the claim statement.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Claim {
-    /// This transaction inserted the marker: it owns the key until it commits or rolls back.
-    New,
-    /// A committed marker for the key exists: the message is a duplicate.
-    Duplicate,
+/// A database the inbox runs on: `sqlx::Postgres` (feature `postgres`), `sqlx::MySql` (feature
+/// `mysql`, for MySQL and MariaDB) and `sqlx::Sqlite` (feature `sqlite`).
+///
+/// Sealed: its SQL is an implementation detail of this crate, and a new backend is added here,
+/// where the conformance suite runs it (see CONTRIBUTING.md).
+pub trait InboxBackend: sqlx::Database + sealed::Backend {}
+
+impl<DB: sealed::Backend> InboxBackend for DB {}
+
+/// A validated SQL identifier naming the inbox table: ASCII letters, digits and `_`, not starting
+/// with a digit, at most 48 bytes (so that derived index names stay within identifier limits).
+///
+/// ```
+/// use inbox_runtime::TableName;
+/// assert!(TableName::new("inbox").is_ok());
+/// assert!(TableName::new("inbox; DROP TABLE x").is_err());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TableName(String);
+
+/// The longest accepted table name.
+const MAX_TABLE_LEN: usize = 48;
+
+/// A table name that is not a plain SQL identifier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid inbox table name {name:?}: use 1 to {MAX_TABLE_LEN} ASCII letters, digits or `_`, not starting with a digit"
+)]
+pub struct InvalidTableName {
+    /// The rejected name.
+    pub name: String,
 }
 
-/// One database's inbox SQL: how to begin, claim, and create the table.
-///
-/// Implemented for `sqlx::Postgres` (feature `postgres`), `sqlx::MySql` (feature `mysql`, for MySQL
-/// and MariaDB) and `sqlx::Sqlite` (feature `sqlite`).
-pub trait InboxBackend: sqlx::Database {
-    /// The backend's name, for logs and errors.
-    const NAME: &'static str;
+impl TableName {
+    /// Validates `name`.
+    pub fn new(name: &str) -> Result<Self, InvalidTableName> {
+        let ok = !name.is_empty()
+            && name.len() <= MAX_TABLE_LEN
+            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+            && !name.as_bytes()[0].is_ascii_digit();
+        if ok {
+            Ok(TableName(name.to_owned()))
+        } else {
+            Err(InvalidTableName {
+                name: name.to_owned(),
+            })
+        }
+    }
 
-    /// The claim statement for `table`, prepared once per [`Inbox`](crate::Inbox). Its binds are
-    /// the consumer and the key.
-    fn claim_sql(table: &TableName) -> SqlStr;
+    /// The name as written in SQL.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
 
-    /// The migrations that create and evolve `table`, in order.
-    fn migration_sql(table: &TableName) -> Vec<String>;
+impl Default for TableName {
+    fn default() -> Self {
+        TableName("inbox".to_owned())
+    }
+}
 
-    /// Begins the transaction a message is processed in.
-    fn begin(
-        pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_;
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
 
-    /// Inserts the marker for (`consumer`, `key`) in `tx`, answering whether it was new. A
-    /// concurrent transaction holding the same key makes this wait until that one finishes.
-    fn claim<'a, 'c>(
-        tx: &'a mut Transaction<'c, Self>,
-        sql: SqlStr,
-        consumer: &'a str,
-        key: &'a str,
-    ) -> impl Future<Output = Result<Claim, sqlx::Error>> + Send + 'a;
+/// The SQL statements of one inbox table, written once per [`Inbox`](crate::Inbox).
+#[derive(Debug, Clone)]
+pub(crate) struct Statements {
+    /// Binds consumer and key; see [`sealed::Backend::claim`].
+    pub claim: SqlStr,
+    /// Binds the marker's id: sets `processed_at` as the effect commits.
+    pub finish: SqlStr,
+    /// See [`sealed::Backend::cleanup_sql`].
+    pub cleanup: SqlStr,
+}
 
-    /// Whether a database error is transient (serialization failure, deadlock, lock timeout, busy,
-    /// connection killed): the same message may succeed in a fresh transaction.
-    fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+impl Statements {
+    pub(crate) fn new<DB: InboxBackend>(table: &TableName) -> Self {
+        Statements {
+            claim: DB::claim_sql(table),
+            finish: DB::finish_sql(table),
+            cleanup: DB::cleanup_sql(table),
+        }
+    }
+}
 
-    /// Deletes at most `?3` finished markers of consumer `?1` received more than `?2` seconds
-    /// (a float) ago, oldest first. Never an open claim (`processed_at IS NULL`).
-    fn cleanup_sql(table: &TableName) -> SqlStr;
+pub(crate) mod sealed {
+    use super::*;
 
-    /// Runs one [`InboxBackend::cleanup_sql`] batch on `conn`; returns the rows deleted.
-    fn cleanup_batch<'a>(
-        conn: &'a mut Self::Connection,
-        sql: SqlStr,
-        consumer: &'a str,
-        older_than_secs: f64,
-        limit: i64,
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a;
+    /// The result of the claim statement.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Claim {
+        /// This transaction inserted the marker (row `id`): it owns the key until it commits or rolls
+        /// back.
+        New(i64),
+        /// A committed marker for the key exists: the message is a duplicate.
+        Duplicate,
+    }
 
-    /// Takes the fleet-wide cleanup lock `name` on `conn` without waiting; `false` when another
-    /// instance holds it. A backend with a single writer may always answer `true`.
-    fn try_cleanup_lock<'a>(
-        conn: &'a mut Self::Connection,
-        name: &'a str,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a;
+    /// One database's inbox SQL. Not public API: reachable only inside this crate.
+    pub trait Backend: sqlx::Database + Generic {
+        /// The backend's name, for logs and errors.
+        const NAME: &'static str;
 
-    /// Releases the lock taken by [`InboxBackend::try_cleanup_lock`].
-    fn cleanup_unlock<'a>(
-        conn: &'a mut Self::Connection,
-        name: &'a str,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a;
+        /// The claim statement for `table`. Binds: consumer, key. PostgreSQL and SQLite return
+        /// the new row's id, or no row for a duplicate (the default [`Backend::claim`]).
+        fn claim_sql(table: &TableName) -> SqlStr;
 
-    /// Runs `migrator` on `pool`.
-    fn run_migrator<'a>(
-        pool: &'a Pool<Self>,
-        migrator: &'a Migrator,
-    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a;
+        /// Sets `processed_at` on the marker whose id is bound, in the message's transaction.
+        fn finish_sql(table: &TableName) -> SqlStr;
+
+        /// The migrations that create and evolve `table`, in order.
+        fn migration_sql(table: &TableName) -> Vec<String>;
+
+        /// Deletes at most `?3` finished markers of consumer `?1` received more than `?2` seconds
+        /// (a float) ago, oldest first. Never an open claim (`processed_at IS NULL`).
+        fn cleanup_sql(table: &TableName) -> SqlStr;
+
+        /// The rows a statement affected (sqlx has no generic accessor).
+        fn rows_affected(done: &Self::QueryResult) -> u64;
+
+        /// Whether a database error is transient (serialization failure, deadlock, lock timeout,
+        /// busy, connection killed): the same message may succeed in a fresh transaction.
+        fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+
+        /// Begins the transaction a message is processed in.
+        fn begin(
+            pool: &Pool<Self>,
+        ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_
+        {
+            pool.begin()
+        }
+
+        /// Inserts the marker for (`consumer`, `key`) in `tx`, answering whether it was new. A
+        /// concurrent transaction holding the same key makes this wait until that one finishes.
+        fn claim<'a, 'c>(
+            tx: &'a mut Transaction<'c, Self>,
+            sql: SqlStr,
+            consumer: &'a str,
+            key: &'a str,
+        ) -> impl Future<Output = Result<Claim, sqlx::Error>> + Send + 'a {
+            let row = Self::fetch_id(&mut **tx, sql, consumer, key);
+            async move { Ok(row.await?.map_or(Claim::Duplicate, Claim::New)) }
+        }
+
+        /// Takes the fleet-wide cleanup lock `name` on `conn` without waiting; `false` when
+        /// another instance holds it. The default suits a database with a single writer, whose
+        /// cleanups serialise on its write lock anyway.
+        fn try_cleanup_lock<'a>(
+            conn: &'a mut Self::Connection,
+            name: &'a str,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+            let _ = (conn, name);
+            std::future::ready(Ok(true))
+        }
+
+        /// Releases the lock taken by [`Backend::try_cleanup_lock`].
+        fn cleanup_unlock<'a>(
+            conn: &'a mut Self::Connection,
+            name: &'a str,
+        ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+            let _ = (conn, name);
+            std::future::ready(Ok(()))
+        }
+    }
+
+    /// The statements every dialect runs alike, written once over the bounds sqlx's generic
+    /// executors need; implemented for every database that meets them.
+    pub trait Generic: sqlx::Database {
+        /// Runs `sql` with (consumer, key) and returns the id of the row it returns, if any.
+        fn fetch_id<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            key: &'a str,
+        ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` binding `id`.
+        fn execute_id<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            id: i64,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+        /// Runs one cleanup batch ([`Backend::cleanup_sql`]).
+        fn cleanup_batch<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            older_than_secs: f64,
+            limit: i64,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+        /// Runs `migrator` on `pool`.
+        fn run_migrator<'a>(
+            pool: &'a Pool<Self>,
+            migrator: &'a Migrator,
+        ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a;
+    }
+
+    impl<DB> Generic for DB
+    where
+        DB: sqlx::Database,
+        DB::Arguments: sqlx::IntoArguments<DB>,
+        for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+        DB::Connection: sqlx::migrate::Migrate,
+        for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+        for<'q> f64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        usize: sqlx::ColumnIndex<DB::Row>,
+    {
+        async fn fetch_id<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            key: &'a str,
+        ) -> Result<Option<i64>, sqlx::Error> {
+            sqlx::query_scalar::<DB, i64>(sql)
+                .bind(consumer)
+                .bind(key)
+                .fetch_optional(conn)
+                .await
+        }
+
+        async fn execute_id(
+            conn: &mut DB::Connection,
+            sql: SqlStr,
+            id: i64,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::query::<DB>(sql).bind(id).execute(conn).await
+        }
+
+        async fn cleanup_batch<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            older_than_secs: f64,
+            limit: i64,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::query::<DB>(sql)
+                .bind(consumer)
+                .bind(older_than_secs)
+                .bind(limit)
+                .execute(conn)
+                .await
+        }
+
+        fn run_migrator<'a>(
+            pool: &'a Pool<DB>,
+            migrator: &'a Migrator,
+        ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
+            migrator.run(pool)
+        }
+    }
 }
 
 /// The migrator for `table`: the backend's migrations, tracked in a migrations table of our own

@@ -42,13 +42,15 @@ impl Backoff {
         self
     }
 
+    /// The longest wait, before jitter.
+    pub const fn max(&self) -> Duration {
+        self.max
+    }
+
     /// The wait before try `step + 1` (step 0 waits `base`), capped at `max`; with jitter, up to
     /// half of it again.
     pub fn delay(&self, step: u32) -> Duration {
-        let wait = self
-            .base
-            .saturating_mul(1u32 << step.min(31))
-            .min(self.max);
+        let wait = self.base.saturating_mul(1u32 << step.min(31)).min(self.max);
         if self.jitter {
             // A random fraction in [0, 0.5) without a dependency: std's per-process random keys.
             let r = std::collections::hash_map::RandomState::new()
@@ -90,7 +92,8 @@ mod tests {
     fn jitter_adds_at_most_half() {
         let b = Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).with_jitter();
         for step in 0..40 {
-            let plain = Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).delay(step);
+            let plain =
+                Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).delay(step);
             let d = b.delay(step);
             assert!(d >= plain && d <= plain.mul_f64(1.5), "{step}: {d:?}");
         }

@@ -97,3 +97,18 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
         Ok(())
     }
 }
+
+/// The message's key: the handler's `key` expression, else the transport id; validated.
+pub(crate) fn message_key<H: crate::Handler>(
+    handler: &H,
+    state: &H::State,
+    message: &H::Message,
+    transport_id: Option<&str>,
+) -> Result<String, KeyError> {
+    let key = match handler.key(message, state) {
+        Some(k) => k,
+        None => transport_id.ok_or(KeyError::Missing)?.to_owned(),
+    };
+    validate_key(&key)?;
+    Ok(key)
+}

@@ -42,26 +42,25 @@
 mod backend;
 mod backoff;
 mod classify;
-mod dead_letter;
+mod cleanup;
 mod handler;
-mod jetstream;
 mod key;
-mod retention;
 mod store;
+mod worker;
 
 #[cfg(feature = "sqlite")]
 pub use backend::sqlite_options;
+pub use backend::{InboxBackend, InvalidTableName, TableName, is_transient};
 pub use backoff::Backoff;
-pub use backend::{Claim, InboxBackend, is_transient};
 pub use classify::{ErrorClass, Permanent, Transient, classify};
-pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
+pub use cleanup::{RetentionFloor, retention_floor};
 pub use handler::{BoxError, Handler, HandlerResult, Outcome};
-pub use jetstream::{
-    AckMode, Stats, Worker, WorkerBuilder, WorkerError, process_delivery, transport_id,
-};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
-pub use retention::{RetentionFloor, retention_floor};
-pub use store::{Inbox, InvalidTableName, ProcessError, Stage, TableName};
+pub use store::{Inbox, ProcessError, Stage};
+pub use worker::{
+    AckMode, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, Stats, Worker, WorkerBuilder, WorkerError,
+    process_delivery, transport_id,
+};
 
 /// Makes an `async fn` an idempotent message handler.
 ///

@@ -1,70 +1,15 @@
 //! The inbox store: where a duplicate is decided. One transaction per message: BEGIN, the claim,
-//! the handler's statements, COMMIT.
+//! the handler's statements, the marker's `processed_at`, COMMIT.
 
-use crate::backend::{self, Claim, InboxBackend};
+use crate::backend::sealed::Claim;
+use crate::backend::{self, InboxBackend, Statements, TableName};
+use crate::backoff::Backoff;
 use crate::handler::{BoxError, Handler, Outcome};
-use crate::key::{KeyError, validate_key};
-use sqlx::{Pool, SqlStr, Transaction};
+use crate::key::{KeyError, message_key};
+use sqlx::{Pool, Transaction};
 use std::fmt;
+use std::time::Duration;
 use tracing::Instrument;
-
-/// A validated SQL identifier naming the inbox table: ASCII letters, digits and `_`, not starting
-/// with a digit, at most 48 bytes (so that derived index names stay within identifier limits).
-///
-/// ```
-/// use inbox_runtime::TableName;
-/// assert!(TableName::new("inbox").is_ok());
-/// assert!(TableName::new("inbox; DROP TABLE x").is_err());
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct TableName(String);
-
-/// The longest accepted table name.
-const MAX_TABLE_LEN: usize = 48;
-
-/// A table name that is not a plain SQL identifier.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "invalid inbox table name {name:?}: use 1 to {MAX_TABLE_LEN} ASCII letters, digits or `_`, not starting with a digit"
-)]
-pub struct InvalidTableName {
-    /// The rejected name.
-    pub name: String,
-}
-
-impl TableName {
-    /// Validates `name`.
-    pub fn new(name: &str) -> Result<Self, InvalidTableName> {
-        let ok = !name.is_empty()
-            && name.len() <= MAX_TABLE_LEN
-            && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
-            && !name.as_bytes()[0].is_ascii_digit();
-        if ok {
-            Ok(TableName(name.to_owned()))
-        } else {
-            Err(InvalidTableName {
-                name: name.to_owned(),
-            })
-        }
-    }
-
-    /// The name as written in SQL.
-    pub fn as_str(&self) -> &str {
-        &self.0
-    }
-}
-
-impl Default for TableName {
-    fn default() -> Self {
-        TableName("inbox".to_owned())
-    }
-}
-
-impl fmt::Display for TableName {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
 
 /// The step of the inbox protocol at which the database failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -73,6 +18,8 @@ pub enum Stage {
     Begin,
     /// Inserting the marker.
     Claim,
+    /// Recording when the effect was done (`processed_at`).
+    Finish,
     /// Committing marker and effect. The result is unknown: redelivery lets the marker decide.
     Commit,
 }
@@ -82,6 +29,7 @@ impl fmt::Display for Stage {
         f.write_str(match self {
             Stage::Begin => "beginning the transaction",
             Stage::Claim => "claiming the message key",
+            Stage::Finish => "marking the message processed",
             Stage::Commit => "committing",
         })
     }
@@ -116,7 +64,8 @@ pub enum ProcessError {
 
 /// The inbox over one database pool and table. Cheap to clone.
 ///
-/// Each message costs exactly BEGIN, the claim, the handler's statements and COMMIT. Build the
+/// Each message costs exactly BEGIN, the claim, the handler's statements, the marker's
+/// `processed_at` and COMMIT. Build the
 /// pool with `test_before_acquire(false)`: sqlx otherwise pings the server on every acquire, an
 /// extra round trip per message; a dead connection fails at BEGIN and the message is retried.
 ///
@@ -131,7 +80,7 @@ pub enum ProcessError {
 pub struct Inbox<DB: InboxBackend> {
     pool: Pool<DB>,
     table: TableName,
-    claim_sql: SqlStr,
+    pub(crate) sql: Statements,
 }
 
 impl<DB: InboxBackend> Clone for Inbox<DB> {
@@ -139,7 +88,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
         Inbox {
             pool: self.pool.clone(),
             table: self.table.clone(),
-            claim_sql: self.claim_sql.clone(),
+            sql: self.sql.clone(),
         }
     }
 }
@@ -152,11 +101,10 @@ impl<DB: InboxBackend> Inbox<DB> {
 
     /// An inbox in `table`.
     pub fn with_table(pool: Pool<DB>, table: TableName) -> Self {
-        let claim_sql = DB::claim_sql(&table);
         Inbox {
+            sql: Statements::new::<DB>(&table),
             pool,
             table,
-            claim_sql,
         }
     }
 
@@ -176,54 +124,19 @@ impl<DB: InboxBackend> Inbox<DB> {
         // Instances starting together race: sqlx takes no lock on SQLite, and its MySQL lock did
         // not hold on MariaDB here, so the loser fails to record a migration the winner is
         // applying or has applied. The DDL is idempotent; a later attempt sees it recorded.
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
         let mut attempt = 1;
         loop {
             match DB::run_migrator(&self.pool, &migrator).await {
                 Ok(()) => return Ok(()),
                 Err(e) if attempt < 5 => {
                     tracing::debug!(error = %e, attempt, "inbox migration raced another instance; retrying");
-                    tokio::time::sleep(std::time::Duration::from_millis(100 * attempt)).await;
+                    tokio::time::sleep(backoff.next()).await;
                     attempt += 1;
                 }
                 Err(e) => return Err(e),
             }
         }
-    }
-
-    /// Deletes `consumer`'s finished markers received more than `older_than` ago, in batches of
-    /// `batch` rows (short transactions that never hold up the hot path for long), one instance at
-    /// a time across the fleet. Returns how many were deleted, or `None` when another instance
-    /// is cleaning up. Open claims are never deleted.
-    ///
-    /// `older_than` must cover every possible redelivery: see [`retention_floor`](crate::retention_floor).
-    pub async fn cleanup(
-        &self,
-        consumer: &str,
-        older_than: std::time::Duration,
-        batch: u32,
-    ) -> Result<Option<u64>, sqlx::Error> {
-        let lock = format!("inbox-cleanup:{}:{consumer}", self.table);
-        let mut conn = self.pool.acquire().await?;
-        if !DB::try_cleanup_lock(&mut conn, &lock).await? {
-            return Ok(None);
-        }
-        let sql = DB::cleanup_sql(&self.table);
-        let mut deleted = 0;
-        let result = loop {
-            let limit = i64::from(batch.max(1));
-            let secs = older_than.as_secs_f64();
-            match DB::cleanup_batch(&mut conn, sql.clone(), consumer, secs, limit).await {
-                Ok(0) => break Ok(Some(deleted)),
-                Ok(n) => deleted += n,
-                Err(e) => break Err(e),
-            }
-        };
-        if let Err(e) = DB::cleanup_unlock(&mut conn, &lock).await {
-            // A lock left on a pooled connection would stop every later cleanup: drop it.
-            tracing::warn!(error = %e, "releasing the cleanup lock failed; closing the connection");
-            let _ = conn.detach();
-        }
-        result
     }
 
     /// Processes `message` exactly once: in a fresh transaction, claims its key and, when the claim
@@ -288,34 +201,34 @@ impl<DB: InboxBackend> Inbox<DB> {
         message: H::Message,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
-        let claim = DB::claim(tx, self.claim_sql.clone(), H::CONSUMER, key)
+        let claim = DB::claim(tx, self.sql.claim.clone(), H::CONSUMER, key)
             .await
             .map_err(|source| ProcessError::Database {
                 stage: Stage::Claim,
                 source,
             })?;
-        if claim == Claim::Duplicate {
+        let Claim::New(id) = claim else {
             return Ok(Outcome::Skip);
-        }
+        };
         handler
             .handle(message, tx, state)
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
-        Ok(Outcome::Ack)
+        // processed_at says when the effect was done; it commits with the effect or not at all.
+        let finished = DB::execute_id(&mut **tx, self.sql.finish.clone(), id)
+            .await
+            .map_err(|source| ProcessError::Database {
+                stage: Stage::Finish,
+                source,
+            })?;
+        match DB::rows_affected(&finished) {
+            1 => Ok(Outcome::Ack),
+            n => Err(ProcessError::Database {
+                stage: Stage::Finish,
+                source: sqlx::Error::Protocol(format!(
+                    "marking inbox row {id} processed affected {n} rows; expected 1"
+                )),
+            }),
+        }
     }
-}
-
-/// The message's key: the handler's `key` expression, else the transport id; validated.
-pub(crate) fn message_key<H: Handler>(
-    handler: &H,
-    state: &H::State,
-    message: &H::Message,
-    transport_id: Option<&str>,
-) -> Result<String, KeyError> {
-    let key = match handler.key(message, state) {
-        Some(k) => k,
-        None => transport_id.ok_or(KeyError::Missing)?.to_owned(),
-    };
-    validate_key(&key)?;
-    Ok(key)
 }

@@ -8,22 +8,31 @@
 //! deadlock far more often; the inbox needs no repeatable reads, since the unique key decides.
 //! The isolation level is set in the same round trip as `START TRANSACTION`.
 
-use super::{Claim, InboxBackend};
-use crate::store::TableName;
-use sqlx::migrate::{MigrateError, Migrator};
+use super::TableName;
+use super::sealed::{Backend, Claim};
 use sqlx::{AssertSqlSafe, MySql, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::future::Future;
 
-impl InboxBackend for MySql {
+impl Backend for MySql {
     const NAME: &'static str = "MySQL";
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
-            "INSERT INTO {table} (consumer, message_key, processed_at) \
-             VALUES (?, ?, CURRENT_TIMESTAMP(6)) \
+            "INSERT INTO {table} (consumer, message_key) VALUES (?, ?) \
              ON DUPLICATE KEY UPDATE dup_count = dup_count + 1"
         ))
         .into_sql_str()
+    }
+
+    fn finish_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "UPDATE {table} SET processed_at = CURRENT_TIMESTAMP(6) WHERE id = ?"
+        ))
+        .into_sql_str()
+    }
+
+    fn rows_affected(done: &sqlx::mysql::MySqlQueryResult) -> u64 {
+        done.rows_affected()
     }
 
     fn migration_sql(table: &TableName) -> Vec<String> {
@@ -63,7 +72,7 @@ impl InboxBackend for MySql {
             .execute(&mut **tx)
             .await?;
         match done.rows_affected() {
-            1 => Ok(Claim::New),
+            1 => Ok(Claim::New(done.last_insert_id() as i64)),
             2 => Ok(Claim::Duplicate),
             n => Err(sqlx::Error::Protocol(format!(
                 "the inbox claim affected {n} rows; expected 1 (new) or 2 (duplicate)"
@@ -93,22 +102,6 @@ impl InboxBackend for MySql {
         .into_sql_str()
     }
 
-    async fn cleanup_batch<'a>(
-        conn: &'a mut sqlx::MySqlConnection,
-        sql: SqlStr,
-        consumer: &'a str,
-        older_than_secs: f64,
-        limit: i64,
-    ) -> Result<u64, sqlx::Error> {
-        let done = sqlx::query(sql)
-            .bind(consumer)
-            .bind(older_than_secs)
-            .bind(limit)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected())
-    }
-
     async fn try_cleanup_lock<'a>(
         conn: &'a mut sqlx::MySqlConnection,
         name: &'a str,
@@ -129,12 +122,5 @@ impl InboxBackend for MySql {
             .execute(conn)
             .await
             .map(|_| ())
-    }
-
-    fn run_migrator<'a>(
-        pool: &'a Pool<Self>,
-        migrator: &'a Migrator,
-    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
-        migrator.run(pool)
     }
 }

@@ -1,21 +1,32 @@
-//! PostgreSQL: `INSERT ... ON CONFLICT DO NOTHING RETURNING id` claims; a unique violation would
-//! abort the whole transaction (25P02), so duplicates must be an answer, never an error.
+//! PostgreSQL: `INSERT ... ON CONFLICT DO NOTHING RETURNING id` claims (the default claim); a
+//! unique violation would abort the whole transaction (25P02), so duplicates must be an answer,
+//! never an error. The default `BEGIN` is READ COMMITTED.
 
-use super::{Claim, InboxBackend};
-use crate::store::TableName;
-use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::{AssertSqlSafe, Pool, Postgres, SqlSafeStr, SqlStr, Transaction};
-use std::future::Future;
+use super::TableName;
+use super::sealed::Backend;
+use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr, SqlStr};
 
-impl InboxBackend for Postgres {
+impl Backend for Postgres {
     const NAME: &'static str = "PostgreSQL";
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
-            "INSERT INTO {table} (consumer, message_key, processed_at) VALUES ($1, $2, now()) \
+            "INSERT INTO {table} (consumer, message_key) VALUES ($1, $2) \
              ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id"
         ))
         .into_sql_str()
+    }
+
+    fn finish_sql(table: &TableName) -> SqlStr {
+        // The statement's own time, not now(): that is when the transaction began.
+        AssertSqlSafe(format!(
+            "UPDATE {table} SET processed_at = clock_timestamp() WHERE id = $1"
+        ))
+        .into_sql_str()
+    }
+
+    fn rows_affected(done: &sqlx::postgres::PgQueryResult) -> u64 {
+        done.rows_affected()
     }
 
     fn migration_sql(table: &TableName) -> Vec<String> {
@@ -33,30 +44,6 @@ impl InboxBackend for Postgres {
             );
             CREATE INDEX IF NOT EXISTS {table}_received_at_idx ON {table} (received_at);"
         )]
-    }
-
-    fn begin(
-        pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_ {
-        pool.begin()
-    }
-
-    async fn claim<'a, 'c>(
-        tx: &'a mut Transaction<'c, Self>,
-        sql: SqlStr,
-        consumer: &'a str,
-        key: &'a str,
-    ) -> Result<Claim, sqlx::Error> {
-        let row = sqlx::query(sql)
-            .bind(consumer)
-            .bind(key)
-            .fetch_optional(&mut **tx)
-            .await?;
-        Ok(if row.is_some() {
-            Claim::New
-        } else {
-            Claim::Duplicate
-        })
     }
 
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
@@ -80,22 +67,6 @@ impl InboxBackend for Postgres {
         .into_sql_str()
     }
 
-    async fn cleanup_batch<'a>(
-        conn: &'a mut sqlx::PgConnection,
-        sql: SqlStr,
-        consumer: &'a str,
-        older_than_secs: f64,
-        limit: i64,
-    ) -> Result<u64, sqlx::Error> {
-        let done = sqlx::query(sql)
-            .bind(consumer)
-            .bind(older_than_secs)
-            .bind(limit)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected())
-    }
-
     async fn try_cleanup_lock<'a>(
         conn: &'a mut sqlx::PgConnection,
         name: &'a str,
@@ -115,12 +86,5 @@ impl InboxBackend for Postgres {
             .execute(conn)
             .await
             .map(|_| ())
-    }
-
-    fn run_migrator<'a>(
-        pool: &'a Pool<Self>,
-        migrator: &'a Migrator,
-    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
-        migrator.run(pool)
     }
 }

@@ -1,26 +1,36 @@
 //! SQLite: one writer at a time. Every inbox transaction is `BEGIN IMMEDIATE`, taking the write
 //! lock up front: a deferred transaction that reads and then writes after another writer committed
 //! fails at once with BUSY_SNAPSHOT (517). The claim is `INSERT .. ON CONFLICT DO NOTHING
-//! RETURNING id`. Use WAL and a busy timeout (see [`sqlite_options`](crate::sqlite_options)).
+//! RETURNING id` (the default claim). Use WAL and a busy timeout (see [`sqlite_options`](crate::sqlite_options)).
 
-use super::{Claim, InboxBackend};
-use crate::store::TableName;
-use sqlx::migrate::{MigrateError, Migrator};
+use super::TableName;
+use super::sealed::Backend;
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Sqlite, Transaction};
 use std::future::Future;
 
 /// A timestamp with milliseconds, as ISO 8601 text that sorts as time does.
 const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 
-impl InboxBackend for Sqlite {
+impl Backend for Sqlite {
     const NAME: &'static str = "SQLite";
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
-            "INSERT INTO {table} (consumer, message_key, processed_at) VALUES (?1, ?2, {NOW}) \
+            "INSERT INTO {table} (consumer, message_key) VALUES (?1, ?2) \
              ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id"
         ))
         .into_sql_str()
+    }
+
+    fn finish_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "UPDATE {table} SET processed_at = {NOW} WHERE id = ?1"
+        ))
+        .into_sql_str()
+    }
+
+    fn rows_affected(done: &sqlx::sqlite::SqliteQueryResult) -> u64 {
+        done.rows_affected()
     }
 
     fn migration_sql(table: &TableName) -> Vec<String> {
@@ -46,24 +56,6 @@ impl InboxBackend for Sqlite {
         pool.begin_with("BEGIN IMMEDIATE")
     }
 
-    async fn claim<'a, 'c>(
-        tx: &'a mut Transaction<'c, Self>,
-        sql: SqlStr,
-        consumer: &'a str,
-        key: &'a str,
-    ) -> Result<Claim, sqlx::Error> {
-        let row = sqlx::query(sql)
-            .bind(consumer)
-            .bind(key)
-            .fetch_optional(&mut **tx)
-            .await?;
-        Ok(if row.is_some() {
-            Claim::New
-        } else {
-            Claim::Duplicate
-        })
-    }
-
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // The extended result code; its low byte is the primary code: SQLITE_BUSY (5, with
         // BUSY_RECOVERY 261, BUSY_SNAPSHOT 517, BUSY_TIMEOUT 773) and SQLITE_LOCKED (6, with
@@ -81,44 +73,6 @@ impl InboxBackend for Sqlite {
              ORDER BY id LIMIT ?3)"
         ))
         .into_sql_str()
-    }
-
-    async fn cleanup_batch<'a>(
-        conn: &'a mut sqlx::SqliteConnection,
-        sql: SqlStr,
-        consumer: &'a str,
-        older_than_secs: f64,
-        limit: i64,
-    ) -> Result<u64, sqlx::Error> {
-        let done = sqlx::query(sql)
-            .bind(consumer)
-            .bind(older_than_secs)
-            .bind(limit)
-            .execute(conn)
-            .await?;
-        Ok(done.rows_affected())
-    }
-
-    async fn try_cleanup_lock<'a>(
-        _: &'a mut sqlx::SqliteConnection,
-        _: &'a str,
-    ) -> Result<bool, sqlx::Error> {
-        // One writer at a time already: concurrent cleanups serialise on the write lock.
-        Ok(true)
-    }
-
-    async fn cleanup_unlock<'a>(
-        _: &'a mut sqlx::SqliteConnection,
-        _: &'a str,
-    ) -> Result<(), sqlx::Error> {
-        Ok(())
-    }
-
-    fn run_migrator<'a>(
-        pool: &'a Pool<Self>,
-        migrator: &'a Migrator,
-    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
-        migrator.run(pool)
     }
 }
 

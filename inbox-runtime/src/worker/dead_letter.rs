@@ -1,5 +1,7 @@
 //! Dead letters: a rejected message is published, with its payload and headers and the reason,
-//! to `<prefix>.<consumer>` in a stream of its own, and termed only once JetStream has stored it.
+//! to `<prefix>.<consumer>` in a stream of its own (created on first use). The caller terms the
+//! original only once [`DeadLetters::publish`] returns `Ok`, that is once JetStream has stored
+//! the letter; on `Err` it naks, so that nothing rejected is ever lost.
 
 use async_nats::jetstream::message::Message;
 use async_nats::jetstream::stream;

@@ -1,0 +1,158 @@
+//! Retention and cleanup, together: how long a marker must be kept (longer than any redelivery
+//! of its message can come), the pass that deletes older finished markers in bounded batches one
+//! instance at a time, and the periodic task a worker runs it in. The per-database SQL and fleet
+//! lock are the backends' (`backend/*`); the rules are here.
+
+use crate::backend::InboxBackend;
+use crate::store::Inbox;
+use async_nats::jetstream::{consumer, stream};
+use std::fmt;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// The smallest safe retention for one consumer, and the figures it is made of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionFloor {
+    /// The longest one delivery can stay unacknowledged: the consumer's `ack_wait`, or the
+    /// worker's longest nak delay when that is longer.
+    pub per_delivery: Duration,
+    /// The consumer's `max_deliver`.
+    pub max_deliver: i64,
+    /// The sum of the consumer's `backoff` steps.
+    pub backoff_sum: Duration,
+    /// The stream's `max_age` (zero: unlimited, counted as zero).
+    pub max_age: Duration,
+    /// The stream's duplicate window, during which a producer's retry is still deduplicated.
+    pub duplicate_window: Duration,
+    /// The operator's margin (replaying dead letters, clock skew).
+    pub margin: Duration,
+}
+
+impl RetentionFloor {
+    /// `per_delivery × max_deliver + backoff_sum + max_age + duplicate_window + margin`.
+    pub fn total(&self) -> Duration {
+        let deliveries = u32::try_from(self.max_deliver.max(1)).unwrap_or(u32::MAX);
+        self.per_delivery.saturating_mul(deliveries)
+            + self.backoff_sum
+            + self.max_age
+            + self.duplicate_window
+            + self.margin
+    }
+}
+
+impl fmt::Display for RetentionFloor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "ack_wait {:?} × max_deliver {} + backoff {:?} + stream max_age {:?} + duplicate window {:?} + margin {:?} = {:?}",
+            self.per_delivery,
+            self.max_deliver,
+            self.backoff_sum,
+            self.max_age,
+            self.duplicate_window,
+            self.margin,
+            self.total()
+        )
+    }
+}
+
+/// The smallest retention that outlives every redelivery of a message on `consumer` of `stream`,
+/// with `longest_nak` the longest delay the worker naks with and `margin` the operator's.
+///
+/// ```
+/// use async_nats::jetstream::{consumer, stream};
+/// use std::time::Duration;
+/// let consumer = consumer::Config { ack_wait: Duration::from_secs(30), max_deliver: 10, ..Default::default() };
+/// let stream = stream::Config { duplicate_window: Duration::from_secs(120), ..Default::default() };
+/// let floor = inbox_runtime::retention_floor(&consumer, &stream, Duration::from_secs(30), Duration::from_secs(3600));
+/// assert_eq!(floor.total(), Duration::from_secs(300 + 120 + 3600));
+/// ```
+pub fn retention_floor(
+    consumer: &consumer::Config,
+    stream: &stream::Config,
+    longest_nak: Duration,
+    margin: Duration,
+) -> RetentionFloor {
+    let ack_wait = if consumer.ack_wait.is_zero() {
+        Duration::from_secs(30)
+    } else {
+        consumer.ack_wait
+    };
+    RetentionFloor {
+        per_delivery: ack_wait.max(longest_nak),
+        max_deliver: consumer.max_deliver,
+        backoff_sum: consumer.backoff.iter().sum(),
+        max_age: stream.max_age,
+        duplicate_window: stream.duplicate_window,
+        margin,
+    }
+}
+
+impl<DB: InboxBackend> Inbox<DB> {
+    /// Deletes `consumer`'s finished markers received more than `older_than` ago, in batches of
+    /// `batch` rows (short statements that never hold up the hot path for long), one instance at
+    /// a time across the fleet. Returns how many were deleted, or `None` when another instance
+    /// is cleaning up. Open claims are never deleted.
+    ///
+    /// `older_than` must cover every possible redelivery: see [`retention_floor`].
+    pub async fn cleanup(
+        &self,
+        consumer: &str,
+        older_than: Duration,
+        batch: u32,
+    ) -> Result<Option<u64>, sqlx::Error> {
+        let lock = format!("inbox-cleanup:{}:{consumer}", self.table());
+        let mut conn = self.pool().acquire().await?;
+        if !DB::try_cleanup_lock(&mut conn, &lock).await? {
+            return Ok(None);
+        }
+        let (secs, limit) = (older_than.as_secs_f64(), i64::from(batch.max(1)));
+        let mut deleted = 0;
+        let result = loop {
+            let sql = self.sql.cleanup.clone();
+            match DB::cleanup_batch(&mut conn, sql, consumer, secs, limit).await {
+                Ok(done) if DB::rows_affected(&done) == 0 => break Ok(Some(deleted)),
+                Ok(done) => deleted += DB::rows_affected(&done),
+                Err(e) => break Err(e),
+            }
+        };
+        if let Err(e) = DB::cleanup_unlock(&mut conn, &lock).await {
+            // A lock left on a pooled connection would stop every later cleanup: drop it.
+            tracing::warn!(error = %e, "releasing the cleanup lock failed; closing the connection");
+            let _ = conn.detach();
+        }
+        result
+    }
+}
+
+/// When a worker cleans up: markers older than `retention`, every `every`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Schedule {
+    pub retention: Duration,
+    pub every: Duration,
+}
+
+/// The rows one cleanup statement deletes at most.
+const BATCH: u32 = 1_000;
+
+/// Runs [`Inbox::cleanup`] for `consumer` on `schedule` until `shutdown`; failures are logged and
+/// retried at the next tick.
+pub(crate) async fn run_periodically<DB: InboxBackend>(
+    inbox: Inbox<DB>,
+    consumer: &'static str,
+    schedule: Schedule,
+    shutdown: CancellationToken,
+) {
+    let mut ticks = tokio::time::interval(schedule.every);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = ticks.tick() => {}
+        }
+        match inbox.cleanup(consumer, schedule.retention, BATCH).await {
+            Ok(Some(n)) if n > 0 => tracing::info!(consumer, deleted = n, "inbox cleanup"),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(consumer, error = %e, "inbox cleanup failed"),
+        }
+    }
+}

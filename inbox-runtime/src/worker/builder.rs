@@ -1,0 +1,436 @@
+//! Options and the start-time check: [`WorkerBuilder`] collects what the user asks for, and
+//! [`check`] decides, from the consumer's configuration alone (pure, testable without a server),
+//! whether it can be served and with which settings. A consumer that would break a guarantee
+//! later is refused here, with an error naming the problem.
+
+use super::Worker;
+use super::dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
+use super::verdict::Limits;
+use crate::backend::InboxBackend;
+use crate::backoff::Backoff;
+use crate::cleanup::{RetentionFloor, Schedule, retention_floor};
+use crate::handler::Handler;
+use crate::store::Inbox;
+use async_nats::jetstream::consumer::{self, AckPolicy, PullConsumer};
+use async_nats::jetstream::stream;
+use serde::de::DeserializeOwned;
+use std::time::Duration;
+
+/// How a committed message is acknowledged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum AckMode {
+    /// `double_ack`: waits for the server to confirm the ack (default).
+    #[default]
+    Double,
+    /// Plain `ack`: fire and forget; a lost ack means a redelivery, which the marker skips.
+    Plain,
+}
+
+/// A consumer that cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The consumer does not use explicit acks, so nothing ties an ack to a commit.
+    #[error(
+        "consumer {consumer:?} has ack policy {policy:?}; the inbox needs AckPolicy::Explicit so that every message is acked only after its effect is committed"
+    )]
+    AckPolicy {
+        /// The consumer's name.
+        consumer: String,
+        /// Its ack policy.
+        policy: AckPolicy,
+    },
+    /// `concurrency(0)` was asked for.
+    #[error("concurrency must be at least 1")]
+    ZeroConcurrency,
+    /// The consumer redelivers forever, so a message that always fails is never dead-lettered.
+    #[error(
+        "consumer {consumer:?} has no max_deliver limit (-1); set a finite max_deliver (for example 10) so that failing messages are dead-lettered"
+    )]
+    UnboundedMaxDeliver {
+        /// The consumer's name.
+        consumer: String,
+    },
+    /// Markers would be deleted while their message can still be redelivered.
+    #[error(
+        "retention {retention:?} is shorter than the minimum safe retention for this consumer: {floor}"
+    )]
+    RetentionTooShort {
+        /// The configured retention.
+        retention: Duration,
+        /// The minimum and its figures.
+        floor: RetentionFloor,
+    },
+    /// The handler's consumer name cannot be a NATS subject token (dead letters go to
+    /// `<prefix>.<consumer>`).
+    #[error(
+        "consumer name {name:?} is not a valid NATS subject token: use letters, digits, `-` and `_`, without spaces, `.`, `*` or `>`"
+    )]
+    ConsumerName {
+        /// The rejected name.
+        name: String,
+    },
+}
+
+/// What the user asked for; defaults in [`Options::default`].
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    pub concurrency: Option<usize>,
+    pub ack_mode: AckMode,
+    pub fetch_expiry: Duration,
+    pub nak_delay: Backoff,
+    pub attempts: u32,
+    pub dead_letter_stream: String,
+    pub dead_letter_prefix: String,
+    pub cleanup: Option<(Duration, stream::Config)>,
+    pub cleanup_margin: Duration,
+    pub cleanup_every: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            concurrency: None,
+            ack_mode: AckMode::default(),
+            fetch_expiry: Duration::from_secs(2),
+            nak_delay: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            attempts: 3,
+            dead_letter_stream: DEFAULT_DLQ_STREAM.to_owned(),
+            dead_letter_prefix: DEFAULT_DLQ_PREFIX.to_owned(),
+            cleanup: None,
+            cleanup_margin: Duration::from_secs(3600),
+            cleanup_every: Duration::from_secs(60),
+        }
+    }
+}
+
+/// The settings a worker runs with, once [`check`] accepted the consumer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Settings {
+    /// Messages in flight at most.
+    pub concurrency: usize,
+    pub ack_mode: AckMode,
+    pub fetch_expiry: Duration,
+    /// Progress acks while a handler runs longer than this (a third of `ack_wait`).
+    pub progress_every: Duration,
+    pub limits: Limits,
+    pub cleanup: Option<Schedule>,
+}
+
+/// The `ack_wait` the server applies when the consumer leaves it at zero.
+const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// Checks consumer `name` with `config` for `handler_consumer` (the handler's `CONSUMER`) on a
+/// pool of `pool_size` connections, and derives the worker's settings.
+pub(crate) fn check(
+    options: &Options,
+    name: &str,
+    config: &consumer::Config,
+    handler_consumer: &str,
+    pool_size: usize,
+) -> Result<Settings, WorkerError> {
+    if config.ack_policy != AckPolicy::Explicit {
+        return Err(WorkerError::AckPolicy {
+            consumer: name.to_owned(),
+            policy: config.ack_policy,
+        });
+    }
+    if options.concurrency == Some(0) {
+        return Err(WorkerError::ZeroConcurrency);
+    }
+    if config.max_deliver <= 0 {
+        return Err(WorkerError::UnboundedMaxDeliver {
+            consumer: name.to_owned(),
+        });
+    }
+    if !is_subject_token(handler_consumer) {
+        return Err(WorkerError::ConsumerName {
+            name: handler_consumer.to_owned(),
+        });
+    }
+    // Never more in flight than connections to process them on, nor than the server lets
+    // wait for acks: prefetching more than can be processed within ack_wait turns into
+    // redelivery storms.
+    let mut concurrency = options.concurrency.unwrap_or(pool_size).min(pool_size);
+    if config.max_ack_pending > 0 {
+        concurrency = concurrency.min(config.max_ack_pending as usize);
+    }
+    let ack_wait = match config.ack_wait {
+        d if d.is_zero() => DEFAULT_ACK_WAIT,
+        d => d,
+    };
+    let limits = Limits {
+        max_deliver: config.max_deliver,
+        backoff: config.backoff.clone(),
+        nak_delay: options.nak_delay,
+        attempts: options.attempts.max(1),
+        retry_wait: Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).with_jitter(),
+    };
+    let cleanup = match &options.cleanup {
+        None => None,
+        Some((retention, stream)) => {
+            let floor =
+                retention_floor(config, stream, limits.longest_nak(), options.cleanup_margin);
+            if *retention < floor.total() {
+                return Err(WorkerError::RetentionTooShort {
+                    retention: *retention,
+                    floor,
+                });
+            }
+            Some(Schedule {
+                retention: *retention,
+                every: options.cleanup_every,
+            })
+        }
+    };
+    Ok(Settings {
+        concurrency: concurrency.max(1),
+        ack_mode: options.ack_mode,
+        fetch_expiry: options.fetch_expiry,
+        progress_every: (ack_wait / 3).max(Duration::from_millis(100)),
+        limits,
+        cleanup,
+    })
+}
+
+/// Whether `name` can stand as one token of a NATS subject.
+fn is_subject_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b'.' | b'*' | b'>'))
+}
+
+/// Builds a [`Worker`]: `WorkerBuilder::new(inbox, consumer).concurrency(8).build(handler)`.
+#[derive(Debug)]
+pub struct WorkerBuilder<DB: InboxBackend> {
+    inbox: Inbox<DB>,
+    consumer: PullConsumer,
+    options: Options,
+}
+
+impl<DB: InboxBackend> WorkerBuilder<DB> {
+    /// A builder for a worker that processes `consumer`'s messages through `inbox`.
+    pub fn new(inbox: Inbox<DB>, consumer: PullConsumer) -> Self {
+        WorkerBuilder {
+            inbox,
+            consumer,
+            options: Options::default(),
+        }
+    }
+
+    /// At most `n` messages in flight. Capped at the pool's `max_connections` and the consumer's
+    /// `max_ack_pending`; defaults to the pool size.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.options.concurrency = Some(n);
+        self
+    }
+
+    /// How committed messages are acked (default [`AckMode::Double`]).
+    pub fn ack_mode(mut self, mode: AckMode) -> Self {
+        self.options.ack_mode = mode;
+        self
+    }
+
+    /// How long one pull request waits for messages (default 2 s). Shutdown waits at most this long
+    /// for a pull in progress, so that messages it brings are nak'd rather than left to `ack_wait`.
+    pub fn fetch_expiry(mut self, expiry: Duration) -> Self {
+        self.options.fetch_expiry = expiry;
+        self
+    }
+
+    /// The delay of a nak after a failure: `base * 2^(delivered - 1)`, at most `max`
+    /// (default 1 s and 30 s). Never zero: a nak without delay redelivers at once, a hot loop.
+    /// A consumer with a `backoff` uses its steps instead.
+    pub fn nak_delay(mut self, base: Duration, max: Duration) -> Self {
+        self.options.nak_delay = Backoff::new(base.max(Duration::from_millis(1)), max);
+        self
+    }
+
+    /// How many times a delivery is tried in-process while its failure is transient, each time
+    /// in a fresh transaction (default 3); after that it is nak'd with a delay.
+    pub fn attempts(mut self, attempts: u32) -> Self {
+        self.options.attempts = attempts;
+        self
+    }
+
+    /// Where rejected messages go: the stream (default `INBOX_DLQ`, created when missing) and the
+    /// subject prefix (default `inbox.dlq`; the subject is `<prefix>.<consumer>`).
+    pub fn dead_letters(
+        mut self,
+        stream: impl Into<String>,
+        subject_prefix: impl Into<String>,
+    ) -> Self {
+        self.options.dead_letter_stream = stream.into();
+        self.options.dead_letter_prefix = subject_prefix.into();
+        self
+    }
+
+    /// Deletes this handler's finished markers once they are older than `retention`, every minute,
+    /// in batches, one instance at a time. `stream` is the consumer's stream's configuration
+    /// (`stream.cached_info().config`): `build` refuses a retention shorter than the
+    /// [`retention_floor`](crate::retention_floor) of the consumer and stream, naming each figure.
+    pub fn cleanup(mut self, retention: Duration, stream: &stream::Config) -> Self {
+        self.options.cleanup = Some((retention, stream.clone()));
+        self
+    }
+
+    /// The operator's margin added to the retention floor (default 1 hour).
+    pub fn cleanup_margin(mut self, margin: Duration) -> Self {
+        self.options.cleanup_margin = margin;
+        self
+    }
+
+    /// How often cleanup runs (default every 60 s).
+    pub fn cleanup_every(mut self, every: Duration) -> Self {
+        self.options.cleanup_every = every;
+        self
+    }
+
+    /// A worker for `handler`, whose state is `()`.
+    pub fn build<H>(self, handler: H) -> Result<Worker<H>, WorkerError>
+    where
+        H: Handler<Db = DB, State = ()>,
+        H::Message: DeserializeOwned,
+    {
+        self.build_with_state(handler, ())
+    }
+
+    /// A worker for `handler`, with the state passed to every call.
+    pub fn build_with_state<H>(self, handler: H, state: H::State) -> Result<Worker<H>, WorkerError>
+    where
+        H: Handler<Db = DB>,
+        H::Message: DeserializeOwned,
+    {
+        let info = self.consumer.cached_info();
+        let pool_size = self.inbox.pool().options().get_max_connections() as usize;
+        let settings = check(
+            &self.options,
+            &info.name,
+            &info.config,
+            H::CONSUMER,
+            pool_size,
+        )?;
+        let Options {
+            dead_letter_stream,
+            dead_letter_prefix,
+            ..
+        } = self.options;
+        Ok(Worker::new(
+            self.inbox,
+            self.consumer,
+            handler,
+            state,
+            settings,
+            (dead_letter_stream, dead_letter_prefix),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> consumer::Config {
+        consumer::Config {
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 5,
+            ..Default::default()
+        }
+    }
+
+    fn checked(options: &Options, config: &consumer::Config) -> Result<Settings, WorkerError> {
+        check(options, "c", config, "credit", 8)
+    }
+
+    #[test]
+    fn explicit_acks_and_a_finite_max_deliver_are_required() {
+        let o = Options::default();
+        let all = consumer::Config {
+            ack_policy: AckPolicy::All,
+            ..config()
+        };
+        assert!(matches!(
+            checked(&o, &all),
+            Err(WorkerError::AckPolicy { .. })
+        ));
+        let forever = consumer::Config {
+            max_deliver: -1,
+            ..config()
+        };
+        let err = checked(&o, &forever).unwrap_err();
+        assert!(
+            matches!(err, WorkerError::UnboundedMaxDeliver { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("max_deliver"), "{err}");
+        assert!(checked(&o, &config()).is_ok());
+    }
+
+    #[test]
+    fn the_consumer_name_must_be_a_subject_token() {
+        let o = Options::default();
+        for bad in ["", "a b", "a.b", "a*", ">", "tab\t"] {
+            let err = check(&o, "c", &config(), bad, 8).unwrap_err();
+            assert!(matches!(err, WorkerError::ConsumerName { .. }), "{bad:?}");
+        }
+        assert!(check(&o, "c", &config(), "credit-v2_x", 8).is_ok());
+    }
+
+    #[test]
+    fn concurrency_is_capped_by_the_pool_and_max_ack_pending() {
+        let mut o = Options::default();
+        assert_eq!(checked(&o, &config()).unwrap().concurrency, 8);
+        o.concurrency = Some(20);
+        assert_eq!(checked(&o, &config()).unwrap().concurrency, 8);
+        let few_pending = consumer::Config {
+            max_ack_pending: 3,
+            ..config()
+        };
+        assert_eq!(checked(&o, &few_pending).unwrap().concurrency, 3);
+        o.concurrency = Some(0);
+        assert!(matches!(
+            checked(&o, &config()),
+            Err(WorkerError::ZeroConcurrency)
+        ));
+    }
+
+    #[test]
+    fn progress_acks_every_third_of_ack_wait() {
+        let s = checked(&Options::default(), &config()).unwrap();
+        assert_eq!(s.progress_every, Duration::from_secs(10));
+        let unset = consumer::Config {
+            ack_wait: Duration::ZERO,
+            ..config()
+        };
+        let s = checked(&Options::default(), &unset).unwrap();
+        assert_eq!(s.progress_every, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_retention_below_the_floor_is_refused_naming_each_figure() {
+        let stream = stream::Config {
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        };
+        let mut o = Options {
+            cleanup_margin: Duration::from_secs(60),
+            ..Options::default()
+        };
+        // ack_wait 30 s × max_deliver 5 + duplicate window 120 s + margin 60 s = 330 s.
+        o.cleanup = Some((Duration::from_secs(329), stream.clone()));
+        let err = checked(&o, &config()).unwrap_err();
+        let text = err.to_string();
+        for figure in [
+            "ack_wait 30s",
+            "max_deliver 5",
+            "duplicate window 120s",
+            "= 330s",
+        ] {
+            assert!(text.contains(figure), "{figure:?} missing from: {text}");
+        }
+        o.cleanup = Some((Duration::from_secs(330), stream));
+        let schedule = checked(&o, &config()).unwrap().cleanup.unwrap();
+        assert_eq!(schedule.retention, Duration::from_secs(330));
+    }
+}

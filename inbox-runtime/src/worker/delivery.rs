@@ -1,0 +1,244 @@
+//! One delivery, start to finish: decode the payload, compute the key, process it through the
+//! inbox (retried in process in a fresh transaction while the failure is transient), send
+//! progress acks while a handler runs long, then carry out the verdict: ack, nak with a delay, or
+//! dead-letter and term. Nothing here decides; `verdict.rs` does.
+
+use super::dead_letter::DeadLetter;
+use super::verdict::{Verdict, retry_in_process, verdict};
+use super::{AckMode, Inner};
+use crate::classify::classify;
+use crate::handler::{Handler, Outcome};
+use crate::key::{KeyError, message_key};
+use crate::store::{Inbox, ProcessError};
+use async_nats::jetstream::AckKind;
+use async_nats::jetstream::message::{Info, Message};
+use serde::de::DeserializeOwned;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::{Instrument, field};
+
+/// Where a delivery came from, as the dead letter and the logs name it.
+struct Delivery {
+    transport_id: String,
+    stream: String,
+    stream_seq: u64,
+    delivered: i64,
+}
+
+impl<H> Inner<H>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    /// Processes one delivery and answers JetStream according to the verdict; the permit is
+    /// released when it is done.
+    pub(super) async fn serve(&self, message: Message, permit: OwnedSemaphorePermit) {
+        let _permit = permit;
+        let delivery = match message.info() {
+            Ok(info) => Delivery {
+                transport_id: transport_id_of(&message, &info),
+                stream: info.stream.to_owned(),
+                stream_seq: info.stream_sequence,
+                delivered: info.delivered,
+            },
+            Err(e) => {
+                tracing::error!(error = %e, subject = %message.subject, "not a JetStream delivery; ignored");
+                return;
+            }
+        };
+        let span = tracing::info_span!(
+            "inbox.message",
+            consumer = H::CONSUMER,
+            key = field::Empty,
+            stream_seq = delivery.stream_seq,
+            delivered = delivery.delivered,
+            outcome = field::Empty,
+        );
+        async {
+            let limits = &self.settings.limits;
+            let verdict = match self.process_with_retries(&message, &delivery).await {
+                Ok(outcome) => verdict(Ok(outcome), delivery.delivered, limits),
+                Err(err) => {
+                    let class = classify::<H::Db>(&err);
+                    let v = verdict(Err((&err, class)), delivery.delivered, limits);
+                    if matches!(v, Verdict::Nak(_)) {
+                        tracing::warn!(error = %err, ?class, "processing failed; nak");
+                    }
+                    v
+                }
+            };
+            self.answer(&message, verdict, &delivery).await
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Tells JetStream the verdict and counts it.
+    async fn answer(&self, message: &Message, verdict: Verdict, delivery: &Delivery) {
+        let span = tracing::Span::current();
+        let counters = &self.counters;
+        let (outcome, counter) = match verdict {
+            Verdict::Ack | Verdict::Skip => {
+                let double = verdict == Verdict::Ack && self.settings.ack_mode == AckMode::Double;
+                let acked = if double {
+                    message.double_ack().await
+                } else {
+                    message.ack().await
+                };
+                if let Err(e) = acked {
+                    // Committed either way: a redelivery finds the marker and is skipped.
+                    tracing::warn!(error = %e, "ack failed; a redelivery will be skipped");
+                }
+                match verdict {
+                    Verdict::Ack => ("ack", &counters.acked),
+                    _ => ("skip", &counters.skipped),
+                }
+            }
+            Verdict::DeadLetter(reason) => {
+                let letter = DeadLetter {
+                    consumer: H::CONSUMER,
+                    stream: &delivery.stream,
+                    stream_seq: delivery.stream_seq,
+                    delivered: delivery.delivered,
+                    error: &reason,
+                };
+                match self.dead_letters.publish(message, &letter).await {
+                    Ok(()) => {
+                        tracing::error!(error = %reason, "message dead-lettered and terminated");
+                        if let Err(e) = message.ack_with(AckKind::Term).await {
+                            // The dead letter exists; a redelivery would add a second one.
+                            tracing::warn!(error = %e, "term failed after dead-lettering");
+                        }
+                        ("dead_letter", &counters.terminated)
+                    }
+                    Err(e) => {
+                        // Never lose it: leave it with JetStream and try again later.
+                        tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
+                        let delay = self.settings.limits.redelivery_delay(delivery.delivered);
+                        nak(message, delay).await;
+                        ("nak", &counters.nacked)
+                    }
+                }
+            }
+            Verdict::Nak(delay) => {
+                nak(message, delay).await;
+                ("nak", &counters.nacked)
+            }
+        };
+        span.record("outcome", outcome);
+        counter.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!("answered");
+    }
+
+    /// [`Self::process`], tried again in process with a fresh transaction while
+    /// [`retry_in_process`] says so.
+    async fn process_with_retries(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+    ) -> Result<Outcome, ProcessError> {
+        let mut attempt = 1;
+        loop {
+            let result = self.process(message, &delivery.transport_id).await;
+            let retry = match &result {
+                Err(e) => retry_in_process(classify::<H::Db>(e), attempt, &self.settings.limits),
+                Ok(_) => None,
+            };
+            match (retry, result) {
+                (Some(wait), Err(e)) => {
+                    tracing::debug!(error = %e, attempt, retry_in = ?wait, "transient failure; retrying");
+                    tokio::time::sleep(wait).await;
+                    attempt += 1;
+                }
+                (_, result) => return result,
+            }
+        }
+    }
+
+    /// Decodes, keys and processes the message, sending progress acks while it runs long.
+    async fn process(
+        &self,
+        message: &Message,
+        transport_id: &str,
+    ) -> Result<Outcome, ProcessError> {
+        let (decoded, key) = decode_and_key(&self.handler, &self.state, message, transport_id)?;
+        tracing::Span::current().record("key", key.as_str());
+
+        let work = self
+            .inbox
+            .process_keyed(&self.handler, &self.state, decoded, &key);
+        tokio::pin!(work);
+        let every = self.settings.progress_every;
+        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                result = &mut work => return result,
+                _ = ticks.tick() => {
+                    // A slow but healthy handler must not be redelivered to another instance.
+                    if let Err(e) = message.ack_with(AckKind::Progress).await {
+                        tracing::debug!(error = %e, "progress ack failed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+async fn nak(message: &Message, delay: Duration) {
+    if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
+        tracing::warn!(error = %e, "nak failed; redelivered after ack_wait");
+    }
+}
+
+/// The transport id of a JetStream delivery: its `Nats-Msg-Id` header, else
+/// `"{stream}:{stream_sequence}"`, which is the same for every redelivery of the stored message.
+pub fn transport_id(message: &Message) -> Result<String, async_nats::Error> {
+    Ok(transport_id_of(message, &message.info()?))
+}
+
+fn transport_id_of(message: &Message, info: &Info<'_>) -> String {
+    message
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+        .map(|v| v.as_str().to_owned())
+        .unwrap_or_else(|| format!("{}:{}", info.stream, info.stream_sequence))
+}
+
+/// Decodes the payload as JSON and computes the validated key.
+fn decode_and_key<H>(
+    handler: &H,
+    state: &H::State,
+    message: &Message,
+    transport_id: &str,
+) -> Result<(H::Message, String), ProcessError>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    let decoded: H::Message =
+        serde_json::from_slice(&message.payload).map_err(|source| ProcessError::Decode {
+            ty: std::any::type_name::<H::Message>(),
+            source,
+        })?;
+    let key = message_key(handler, state, &decoded, Some(transport_id))?;
+    Ok((decoded, key))
+}
+
+/// Processes one JetStream delivery through `inbox` (decode, key, claim, handler, commit) without
+/// acking it: the core a [`Worker`](super::Worker) wraps, for callers that manage acks themselves.
+pub async fn process_delivery<H>(
+    inbox: &Inbox<H::Db>,
+    handler: &H,
+    state: &H::State,
+    message: &Message,
+) -> Result<Outcome, ProcessError>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    let id = transport_id(message).map_err(|_| KeyError::Missing)?;
+    let (decoded, key) = decode_and_key(handler, state, message, &id)?;
+    inbox.process_keyed(handler, state, decoded, &key).await
+}

@@ -1,0 +1,184 @@
+//! The JetStream adapter: a durable pull consumer whose messages go through the inbox, and whose
+//! acks follow the verdict. The database decides; JetStream only hears the verdict.
+//!
+//! One concept per file: `builder` (options and the start-time check), `pull` (permits, pull
+//! requests, shutdown), `delivery` (one message: decode, key, process, retries, progress acks,
+//! carrying out the verdict), `verdict` (the pure decision), `dead_letter` (the dead-letter
+//! stream). This file holds the [`Worker`] handle, its counters and `run_until`.
+
+mod builder;
+mod dead_letter;
+mod delivery;
+mod pull;
+mod verdict;
+
+pub use builder::{AckMode, WorkerBuilder, WorkerError};
+pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
+pub use delivery::{process_delivery, transport_id};
+
+use crate::cleanup;
+use crate::handler::Handler;
+use crate::store::Inbox;
+use async_nats::jetstream::consumer::PullConsumer;
+use builder::Settings;
+use dead_letter::DeadLetters;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// A snapshot of a worker's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Messages whose effect this worker committed.
+    pub acked: u64,
+    /// Duplicates this worker acked without running the handler.
+    pub skipped: u64,
+    /// Deliveries nak'd for redelivery (handler or database errors).
+    pub nacked: u64,
+    /// Poison messages terminated.
+    pub terminated: u64,
+}
+
+/// Counters of what a worker did, by outcome.
+#[derive(Debug, Default)]
+struct Counters {
+    acked: AtomicU64,
+    skipped: AtomicU64,
+    nacked: AtomicU64,
+    terminated: AtomicU64,
+}
+
+/// A JetStream consumer processing messages through an [`Inbox`] with one handler. Cheap to
+/// clone; clones share counters and state.
+///
+/// ```no_run
+/// # use inbox_runtime::{Inbox, WorkerBuilder, idempotent, Tx};
+/// # use sqlx::Postgres;
+/// # #[derive(serde::Deserialize)] struct Credit { id: String }
+/// # #[idempotent(consumer = "credit", key = msg.id)]
+/// # async fn credit(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> { Ok(()) }
+/// # async fn demo(inbox: Inbox<Postgres>, consumer: async_nats::jetstream::consumer::PullConsumer)
+/// # -> Result<(), Box<dyn std::error::Error>> {
+/// let shutdown = tokio_util::sync::CancellationToken::new();
+/// let worker = WorkerBuilder::new(inbox, consumer).concurrency(8).build(credit)?;
+/// let stats = worker.run_until(shutdown).await;
+/// # Ok(()) }
+/// ```
+pub struct Worker<H: Handler> {
+    inner: Arc<Inner<H>>,
+}
+
+impl<H: Handler> Clone for Worker<H> {
+    fn clone(&self) -> Self {
+        Worker {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<H: Handler> std::fmt::Debug for Worker<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("consumer", &H::CONSUMER)
+            .field("concurrency", &self.inner.settings.concurrency)
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What every task of a worker shares.
+struct Inner<H: Handler> {
+    inbox: Inbox<H::Db>,
+    consumer: PullConsumer,
+    handler: H,
+    state: H::State,
+    settings: Settings,
+    counters: Counters,
+    dead_letters: DeadLetters,
+}
+
+impl<H: Handler> Worker<H> {
+    fn new(
+        inbox: Inbox<H::Db>,
+        consumer: PullConsumer,
+        handler: H,
+        state: H::State,
+        settings: Settings,
+        (dlq_stream, dlq_prefix): (String, String),
+    ) -> Self {
+        Worker {
+            inner: Arc::new(Inner {
+                inbox,
+                consumer,
+                handler,
+                state,
+                settings,
+                counters: Counters::default(),
+                dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
+            }),
+        }
+    }
+
+    /// How many messages this worker processes at once.
+    pub fn concurrency(&self) -> usize {
+        self.inner.settings.concurrency
+    }
+
+    /// The state handed to every call of the handler.
+    pub fn state(&self) -> &H::State {
+        &self.inner.state
+    }
+
+    /// What this worker (and its clones) did so far.
+    pub fn stats(&self) -> Stats {
+        let c = &self.inner.counters;
+        Stats {
+            acked: c.acked.load(Ordering::Relaxed),
+            skipped: c.skipped.load(Ordering::Relaxed),
+            nacked: c.nacked.load(Ordering::Relaxed),
+            terminated: c.terminated.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl<H> Worker<H>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    /// Pulls and processes messages until `shutdown` is cancelled, then stops pulling, naks what
+    /// was fetched but not started, lets in-flight messages finish and ack, flushes, and returns
+    /// what it did. Pull errors (NATS down, say) are retried with capped backoff.
+    pub async fn run_until(&self, shutdown: CancellationToken) -> Stats {
+        tracing::info!(
+            consumer = H::CONSUMER,
+            durable = %self.inner.consumer.cached_info().name,
+            concurrency = self.inner.settings.concurrency,
+            "inbox worker started"
+        );
+        let tasks = TaskTracker::new();
+        if let Some(schedule) = self.inner.settings.cleanup {
+            let inbox = self.inner.inbox.clone();
+            let stop = shutdown.clone();
+            tasks.spawn(cleanup::run_periodically(
+                inbox,
+                H::CONSUMER,
+                schedule,
+                stop,
+            ));
+        }
+        let client = pull::run(&self.inner, &shutdown, &tasks).await;
+        tasks.close();
+        tasks.wait().await;
+        if let Some(client) = client
+            && let Err(e) = client.flush().await
+        {
+            tracing::warn!(error = %e, "flushing acks on shutdown failed");
+        }
+        let stats = self.stats();
+        tracing::info!(consumer = H::CONSUMER, ?stats, "inbox worker stopped");
+        stats
+    }
+}

@@ -1,0 +1,118 @@
+//! Pulling: as many messages as there are free permits (never more than can start now), one task
+//! per message holding its permit, pull errors waited out with capped backoff, and on shutdown a
+//! nak for every message fetched but not started, so that it goes to another instance at once.
+
+use super::Inner;
+use crate::backoff::Backoff;
+use crate::handler::Handler;
+use async_nats::jetstream::AckKind;
+use futures::StreamExt;
+use serde::de::DeserializeOwned;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Pulls until `shutdown`, spawning each message's processing on `tasks`. Returns the NATS client
+/// the messages came on (to flush), if any came.
+pub(super) async fn run<H>(
+    inner: &Arc<Inner<H>>,
+    shutdown: &CancellationToken,
+    tasks: &TaskTracker,
+) -> Option<async_nats::Client>
+where
+    H: Handler,
+    H::Message: DeserializeOwned,
+{
+    let concurrency = inner.settings.concurrency;
+    let permits = Arc::new(Semaphore::new(concurrency));
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
+    let mut client = None;
+    while let Some(mut free) = free_permits(&permits, concurrency, shutdown).await {
+        let request = inner
+            .consumer
+            .batch()
+            .max_messages(free.len())
+            .expires(inner.settings.fetch_expiry)
+            .messages();
+        let mut batch = match request.await {
+            Ok(batch) => batch,
+            Err(e) => {
+                pause(&mut backoff, shutdown, "pull request failed", e.to_string()).await;
+                continue;
+            }
+        };
+        let mut stopping = false;
+        loop {
+            let next = tokio::select! {
+                biased;
+                _ = shutdown.cancelled(), if !stopping => {
+                    stopping = true;
+                    continue;
+                }
+                next = batch.next() => next,
+            };
+            let message = match next {
+                None => break,
+                Some(Ok(message)) => message,
+                Some(Err(e)) => {
+                    pause(&mut backoff, shutdown, "pull failed", e.to_string()).await;
+                    break;
+                }
+            };
+            backoff.reset();
+            client.get_or_insert_with(|| message.context.client());
+            match free.pop() {
+                Some(permit) if !stopping => {
+                    let inner = inner.clone();
+                    tasks.spawn(async move { inner.serve(message, permit).await });
+                }
+                // Fetched but not started: give it back at once rather than let it wait out
+                // ack_wait.
+                _ => {
+                    if let Err(e) = message.ack_with(AckKind::Nak(None)).await {
+                        tracing::debug!(error = %e, "nak on shutdown failed");
+                    }
+                }
+            }
+        }
+    }
+    client
+}
+
+/// Waits for at least one free permit and takes every other free one; `None` on shutdown.
+async fn free_permits(
+    permits: &Arc<Semaphore>,
+    concurrency: usize,
+    shutdown: &CancellationToken,
+) -> Option<Vec<OwnedSemaphorePermit>> {
+    let first = tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => return None,
+        p = permits.clone().acquire_owned() => p.expect("the semaphore is never closed"),
+    };
+    let mut free = vec![first];
+    while free.len() < concurrency {
+        match permits.clone().try_acquire_owned() {
+            Ok(p) => free.push(p),
+            Err(_) => break,
+        }
+    }
+    Some(free)
+}
+
+/// Logs `what` failed with `error`, then sleeps the backoff's next wait, or until shutdown.
+async fn pause(
+    backoff: &mut Backoff,
+    shutdown: &CancellationToken,
+    what: &str,
+    error: impl std::fmt::Display,
+) {
+    let wait = backoff.next();
+    tracing::warn!(%error, retry_in = ?wait, "{what}");
+    tokio::select! {
+        _ = shutdown.cancelled() => {}
+        _ = tokio::time::sleep(wait) => {}
+    }
+}
