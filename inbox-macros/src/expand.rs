@@ -62,9 +62,22 @@ pub fn expand(h: &Handler) -> TokenStream {
         None => String::new(),
     };
 
-    // The error type comes from the declared return type through a trait, spanned there, so a
-    // return type other than `Result<(), E>` is reported on the user's return type.
-    let error_ty = quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error };
+    // The shape `Result<(), E>` is checked once, by the compiler through the runtime's
+    // `HandlerResult`, spanned on the user's return type. Every other mention of the error type
+    // must then resolve even when that check fails, or each one repeats the error: hence `E` as
+    // written when the return type spells it, and the body's `Ok` value mapped to `()` (a no-op
+    // once the check passes) so that a wrong `Ok` type is not reported a second time as a
+    // mismatched future.
+    let returns_unit = quote_spanned! {ret.span()=>
+        fn __inbox_returns_unit_result<R: #rt::HandlerResult>() {}
+        __inbox_returns_unit_result::<#ret>();
+    };
+    let error_ty = match written_error_type(ret) {
+        Some(e) => quote!(#e),
+        // An alias such as `io::Result<()>` hides `E`: the trait extracts it, and a wrong `Ok`
+        // type behind an alias is reported more than once.
+        None => quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error },
+    };
 
     let unit = unit_struct(func, Some(consumer));
 
@@ -98,10 +111,34 @@ pub fn expand(h: &Handler) -> TokenStream {
             ) -> impl ::core::future::Future<
                 Output = ::core::result::Result<(), Self::Error>,
             > + ::core::marker::Send + '__a {
+                #returns_unit
                 #func
-                #name(#(#call_args),*)
+                let __inbox_fut = #name(#(#call_args),*);
+                async move { ::core::result::Result::map(__inbox_fut.await, |_| ()) }
             }
         }
+    }
+}
+
+/// `E` in a return type written `Result<T, E>` (any path ending in `Result` with two type
+/// arguments); `None` for other shapes, such as the one-argument alias `io::Result<()>`.
+fn written_error_type(ret: &Type) -> Option<&Type> {
+    match ret {
+        Type::Paren(p) => written_error_type(&p.elem),
+        Type::Path(p) if p.qself.is_none() => {
+            let PathArguments::AngleBracketed(args) = &p.path.segments.last()?.arguments else {
+                return None;
+            };
+            let mut types = args.args.iter().filter_map(|a| match a {
+                GenericArgument::Type(t) => Some(t),
+                _ => None,
+            });
+            match (types.next(), types.next(), types.next()) {
+                (Some(_), Some(e), None) => Some(e),
+                _ => None,
+            }
+        }
+        _ => None,
     }
 }
 

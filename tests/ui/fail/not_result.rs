@@ -1,4 +1,6 @@
-use inbox_runtime::{Inbox, Outcome, ProcessError, Tx, Worker, WorkerBuilder, WorkerError, idempotent};
+use inbox_runtime::{
+    Inbox, Outcome, ProcessError, Tx, Worker, WorkerBuilder, WorkerError, idempotent,
+};
 use sqlx::Postgres;
 
 #[derive(serde::Deserialize)]
