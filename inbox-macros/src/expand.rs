@@ -68,15 +68,20 @@ pub fn expand(h: &Handler) -> TokenStream {
     // written when the return type spells it, and the body's `Ok` value mapped to `()` (a no-op
     // once the check passes) so that a wrong `Ok` type is not reported a second time as a
     // mismatched future.
-    let returns_unit = quote_spanned! {ret.span()=>
-        fn __inbox_returns_unit_result<R: #rt::HandlerResult>() {}
-        __inbox_returns_unit_result::<#ret>();
-    };
-    let error_ty = match written_error_type(ret) {
-        Some(e) => quote!(#e),
-        // An alias such as `io::Result<()>` hides `E`: the trait extracts it, and a wrong `Ok`
-        // type behind an alias is reported more than once.
-        None => quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error },
+    let (error_ty, returns_unit) = match written_error_type(ret) {
+        Some(e) => (
+            quote!(#e),
+            quote_spanned! {ret.span()=>
+                let _: ::core::marker::PhantomData<<#ret as #rt::HandlerResult>::Error> =
+                    ::core::marker::PhantomData;
+            },
+        ),
+        // An alias such as `io::Result<()>` hides `E`: the trait extracts it, which is the check
+        // itself, and a wrong `Ok` type behind an alias is reported more than once.
+        None => (
+            quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error },
+            TokenStream::new(),
+        ),
     };
 
     let unit = unit_struct(func, Some(consumer));
