@@ -6,6 +6,7 @@
 
 mod args;
 mod expand;
+mod fallback;
 mod validate;
 
 use proc_macro::TokenStream;
@@ -13,26 +14,20 @@ use proc_macro::TokenStream;
 /// Turns an `async fn` into an idempotent message handler: see `inbox_runtime::idempotent`.
 #[proc_macro_attribute]
 pub fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
-    let fallback = match syn::parse::<syn::ItemFn>(item.clone()) {
-        Ok(mut func) => {
-            expand::explicit_mut_ref_lifetimes(&mut func);
-            quote::quote!(#func)
-        }
-        Err(_) => proc_macro2::TokenStream::from(item.clone()),
-    };
-    let result = syn::parse::<args::Args>(attr).and_then(|args| {
-        let func = syn::parse::<syn::ItemFn>(item)?;
-        let ir = validate::validate(args, func)?;
-        Ok(expand::expand(&ir))
-    });
-    match result {
-        Ok(tokens) => tokens.into(),
-        // Like tokio-macros: hand the item back next to the error so that the user sees one error,
-        // not a cascade of "cannot find function" errors, and IDEs keep working.
+    let args = syn::parse::<args::Args>(attr);
+    let func = match syn::parse::<syn::ItemFn>(item.clone()) {
+        Ok(func) => func,
+        // Not a function: there is no handler to stand in for, so the item goes back unchanged
+        // beside the error, as tokio-macros does, and the rest of the crate still resolves.
         Err(err) => {
-            let mut out = err.to_compile_error();
-            out.extend(fallback);
-            out.into()
+            let mut out = TokenStream::from(err.to_compile_error());
+            out.extend(item);
+            return out;
         }
+    };
+    match validate::validate(args, func) {
+        Ok(handler) => expand::expand(&handler),
+        Err(invalid) => fallback::expand(&invalid),
     }
+    .into()
 }

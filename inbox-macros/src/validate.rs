@@ -1,4 +1,5 @@
-//! Checks the annotated function and turns it, with the arguments, into the handler's description.
+//! Checks the annotated function and turns it, with the arguments, into the handler's description,
+//! or, when something is wrong, into the errors plus what the signature still tells.
 
 use crate::args::{Args, MAX_CONSUMER_LEN};
 use syn::spanned::Spanned;
@@ -28,12 +29,43 @@ pub struct Handler {
     pub arity: usize,
 }
 
+/// A handler with mistakes: every error found, and what is known regardless, so that the fallback
+/// can still emit the unit struct (and a stub `Handler` impl) and each mistake is reported once.
+pub struct Invalid {
+    /// All errors, combined.
+    pub error: syn::Error,
+    /// The function as written.
+    pub func: ItemFn,
+    /// The consumer name, when given.
+    pub consumer: Option<LitStr>,
+    /// The types of the `Handler` impl, when the signature names them all.
+    pub types: Option<Types>,
+    /// Whether the function can stand alone as a nested item: a `self` parameter would add an
+    /// error of its own there.
+    pub keep_body: bool,
+}
+
+/// The associated types of a `Handler` impl as far as the signature determines them.
+pub struct Types {
+    /// The database named in the transaction argument.
+    pub db: Type,
+    /// The message argument's type.
+    pub message: Type,
+    /// The referent of the `&State` argument; `None` when there is none.
+    pub state: Option<Type>,
+    /// The declared return type when it is a `Result`; `None` when it is missing or not one.
+    pub ret: Option<Type>,
+}
+
 #[derive(Default)]
 struct Errors(Option<syn::Error>);
 
 impl Errors {
     fn push(&mut self, span: proc_macro2::Span, msg: impl std::fmt::Display) {
-        let e = syn::Error::new(span, msg);
+        self.add(syn::Error::new(span, msg));
+    }
+
+    fn add(&mut self, e: syn::Error) {
         match &mut self.0 {
             Some(all) => all.combine(e),
             None => self.0 = Some(e),
@@ -43,11 +75,19 @@ impl Errors {
 
 const TX_HINT: &str = "add a transaction argument such as `tx: &mut Tx<Postgres>`";
 
-/// Validates `func` against the handler contract; every problem found is reported, each spanned
-/// on the token that causes it.
-pub fn validate(args: Args, func: ItemFn) -> syn::Result<Handler> {
+/// Validates `func` and the attribute's arguments against the handler contract; every problem
+/// found is reported, each spanned on the token that causes it. An argument list that did not parse
+/// still lets the signature be checked, so that all mistakes show at once.
+pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<Invalid>> {
     let mut errors = Errors::default();
     let sig = &func.sig;
+    let (consumer, key) = match args {
+        Ok(args) => (check_consumer(args.consumer, &mut errors), args.key),
+        Err(e) => {
+            errors.add(e);
+            (None, None)
+        }
+    };
 
     if sig.asyncness.is_none() {
         errors.push(
@@ -61,31 +101,6 @@ pub fn validate(args: Args, func: ItemFn) -> syn::Result<Handler> {
             "`#[idempotent]` handlers cannot be generic",
         );
     }
-
-    let consumer = match args.consumer {
-        None => {
-            errors.push(
-                proc_macro2::Span::call_site(),
-                "missing `consumer = \"...\"`: the name under which this handler's markers are stored",
-            );
-            None
-        }
-        Some(lit) => {
-            let value = lit.value();
-            if value.is_empty() {
-                errors.push(lit.span(), "`consumer` must not be empty");
-            } else if value.len() > MAX_CONSUMER_LEN {
-                errors.push(
-                    lit.span(),
-                    format!(
-                        "`consumer` is {} bytes long; at most {MAX_CONSUMER_LEN} bytes fit the inbox table",
-                        value.len()
-                    ),
-                );
-            }
-            Some(lit)
-        }
-    };
 
     let mut message: Option<Param> = None;
     let mut tx: Option<(Param, Option<Type>)> = None;
@@ -172,26 +187,43 @@ pub fn validate(args: Args, func: ItemFn) -> syn::Result<Handler> {
             );
             None
         }
-        ReturnType::Type(_, ty) => {
-            if !is_result(ty) {
-                errors.push(
-                    ty.span(),
-                    "`#[idempotent]` handlers must return `Result<(), E>`",
-                );
-            }
-            Some((**ty).clone())
+        ReturnType::Type(_, ty) if !is_result(ty) => {
+            errors.push(
+                ty.span(),
+                "`#[idempotent]` handlers must return `Result<(), E>`",
+            );
+            None
         }
+        ReturnType::Type(_, ty) => Some((**ty).clone()),
     };
 
-    if let Some(e) = errors.0 {
-        return Err(e);
+    if let Some(error) = errors.0 {
+        let (_, db) = tx.unzip();
+        // A generic signature's types may name its parameters, which the impl does not have.
+        let types = match (db.flatten(), message) {
+            (Some(db), Some(message)) if sig.generics.params.is_empty() => Some(Types {
+                db,
+                message: message.ty,
+                state: state.map(|s| s.ty),
+                ret,
+            }),
+            _ => None,
+        };
+        let keep_body = sig.receiver().is_none();
+        return Err(Box::new(Invalid {
+            error,
+            consumer,
+            types,
+            keep_body,
+            func,
+        }));
     }
     // With no errors pushed, every piece is present.
     let (tx, db) = tx.expect("checked above");
     Ok(Handler {
         arity: sig.inputs.len(),
         consumer: consumer.expect("checked above"),
-        key: args.key,
+        key,
         message: message.expect("checked above"),
         tx,
         db: db.expect("checked above"),
@@ -199,6 +231,35 @@ pub fn validate(args: Args, func: ItemFn) -> syn::Result<Handler> {
         ret: ret.expect("checked above"),
         func,
     })
+}
+
+/// Checks the consumer name; the name is returned when present, even if too long or empty, since
+/// the error already says so.
+fn check_consumer(consumer: Option<LitStr>, errors: &mut Errors) -> Option<LitStr> {
+    match consumer {
+        None => {
+            errors.push(
+                proc_macro2::Span::call_site(),
+                "missing `consumer = \"...\"`: the name under which this handler's markers are stored",
+            );
+            None
+        }
+        Some(lit) => {
+            let value = lit.value();
+            if value.is_empty() {
+                errors.push(lit.span(), "`consumer` must not be empty");
+            } else if value.len() > MAX_CONSUMER_LEN {
+                errors.push(
+                    lit.span(),
+                    format!(
+                        "`consumer` is {} bytes long; at most {MAX_CONSUMER_LEN} bytes fit the inbox table",
+                        value.len()
+                    ),
+                );
+            }
+            Some(lit)
+        }
+    }
 }
 
 /// The last type argument of the last path segment: `Postgres` in `Tx<Postgres>`,

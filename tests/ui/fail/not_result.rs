@@ -1,4 +1,6 @@
-use inbox_runtime::{Tx, idempotent};
+use inbox_runtime::{
+    Inbox, Outcome, ProcessError, Tx, Worker, WorkerBuilder, WorkerError, idempotent,
+};
 use sqlx::Postgres;
 
 #[derive(serde::Deserialize)]
@@ -12,4 +14,15 @@ async fn credit(msg: Credit, tx: &mut Tx<Postgres>) -> u32 {
     0
 }
 
-fn main() {}
+// The handler used as a value and as a type: the mistake above is the only error.
+fn worker(builder: WorkerBuilder<Postgres>) -> Result<Worker<credit>, WorkerError> {
+    builder.build(credit)
+}
+
+async fn process(inbox: Inbox<Postgres>, msg: Credit) -> Result<Outcome, ProcessError> {
+    inbox.process(&credit, &(), msg, None).await
+}
+
+fn main() {
+    let _ = (worker, process);
+}

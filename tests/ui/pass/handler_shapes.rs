@@ -1,5 +1,6 @@
 //! Shapes a handler may take: the key borrows the message (which the body then owns), a shared
-//! state argument, any argument order, `?` in the body, an integer key, no key at all.
+//! state argument, any argument order, `?` in the body, an integer key, no key at all, a
+//! `Result` alias that hides the error type.
 
 use inbox_runtime::{Handler, Tx, idempotent};
 use sqlx::Postgres;
@@ -50,6 +51,12 @@ async fn transport_key(msg: Credit, _tx: &mut Tx<Postgres>) -> Result<(), sqlx::
     Ok(())
 }
 
+#[idempotent(consumer = "credit-alias")]
+async fn result_alias(msg: Credit, tx: &mut Tx<Postgres>) -> std::io::Result<()> {
+    let _ = (msg, tx);
+    Ok(())
+}
+
 fn main() {
     let msg = Credit { id: "a".into(), seq: 7 };
     assert_eq!(by_field.key(&msg, &()), Some("a".to_owned()));
@@ -58,4 +65,5 @@ fn main() {
     assert_eq!(integer_key.key(&msg, &()), Some("7".to_owned()));
     assert_eq!(transport_key.key(&msg, &()), None);
     assert_eq!(<by_field as Handler>::CONSUMER, "credit");
+    let _: Option<<result_alias as Handler>::Error> = None::<std::io::Error>;
 }

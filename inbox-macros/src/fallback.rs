@@ -1,0 +1,95 @@
+//! What `#[idempotent]` emits for a handler with mistakes: the errors, and beside them as much of
+//! the real expansion as the signature allows, so that each mistake is reported once. Without the
+//! unit struct every use of the handler (`.build(credit)`, `inbox.process(&credit, ..)`) would add
+//! an error of its own.
+
+use crate::expand::{explicit_mut_ref_lifetimes, unit_struct};
+use crate::validate::{Invalid, Types};
+use proc_macro2::TokenStream;
+use quote::{quote, quote_spanned};
+use syn::spanned::Spanned;
+
+/// The compile errors, the unit struct, a stub `Handler` impl when the types are known, and the
+/// user's function, type-checked on its own.
+pub fn expand(invalid: &Invalid) -> TokenStream {
+    let errors = invalid.error.to_compile_error();
+    let mut func = invalid.func.clone();
+    explicit_mut_ref_lifetimes(&mut func);
+    let name = &func.sig.ident;
+    let unit = unit_struct(&func, invalid.consumer.as_ref());
+    let stub = invalid
+        .types
+        .as_ref()
+        .map(|types| stub_impl(name, invalid, types));
+    // The function, exactly as declared, stays in the build so that its body is still checked and
+    // the imports it uses stay used. Nested in an anonymous const because the unit struct takes
+    // its name. Nothing calls it, and a generic one cannot even be named without its parameters,
+    // so its dead-code warning is silenced instead.
+    let body = invalid.keep_body.then(|| {
+        quote! {
+            const _: () = {
+                #[allow(dead_code)]
+                #func
+            };
+        }
+    });
+    quote! {
+        #errors
+        #unit
+        #stub
+        #body
+    }
+}
+
+/// A `Handler` impl whose methods never run (the crate does not compile), so that the handler can
+/// be passed wherever one is expected without a second error.
+fn stub_impl(name: &syn::Ident, invalid: &Invalid, types: &Types) -> TokenStream {
+    let rt = quote!(::inbox_runtime::__private);
+    let db = &types.db;
+    let msg_ty = &types.message;
+    let state_ty = match &types.state {
+        Some(ty) => quote!(#ty),
+        None => quote!(()),
+    };
+    // A `Result` return type is used as declared, so that a wrong `Result<u32, E>` is still
+    // reported (on the user's type) next to the other mistakes; any other return type was already
+    // reported by validation, and the boxed error stands in for it.
+    let error_ty = match &types.ret {
+        Some(ret) => quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error },
+        None => quote!(::inbox_runtime::BoxError),
+    };
+    let consumer = match &invalid.consumer {
+        Some(lit) => quote!(#lit),
+        None => quote!(""),
+    };
+    quote! {
+        #[automatically_derived]
+        impl #rt::Handler for #name {
+            type Db = #db;
+            type Message = #msg_ty;
+            type State = #state_ty;
+            type Error = #error_ty;
+
+            const CONSUMER: &'static str = #consumer;
+
+            fn key(
+                &self,
+                _: &Self::Message,
+                _: &Self::State,
+            ) -> ::core::option::Option<::std::string::String> {
+                ::core::option::Option::None
+            }
+
+            fn handle<'__a, '__c>(
+                &'__a self,
+                _: Self::Message,
+                _: &'__a mut #rt::Transaction<'__c, Self::Db>,
+                _: &'__a Self::State,
+            ) -> impl ::core::future::Future<
+                Output = ::core::result::Result<(), Self::Error>,
+            > + ::core::marker::Send + '__a {
+                async { ::core::unreachable!() }
+            }
+        }
+    }
+}
