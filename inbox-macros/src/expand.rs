@@ -57,10 +57,6 @@ pub fn expand(h: &Handler) -> TokenStream {
     if let Some(s) = &h.state {
         call_args[s.index] = quote!(#state_var);
     }
-    let key_expr_text = match &h.key {
-        Some(expr) => quote!(#expr).to_string(),
-        None => String::new(),
-    };
 
     // The shape `Result<(), E>` is checked once, by the compiler through the runtime's
     // `HandlerResult`, spanned on the user's return type. Every other mention of the error type
@@ -97,7 +93,6 @@ pub fn expand(h: &Handler) -> TokenStream {
             type Error = #error_ty;
 
             const CONSUMER: &'static str = #consumer;
-            const KEY_EXPR: &'static str = #key_expr_text;
 
             #[allow(clippy::needless_borrow, clippy::unnecessary_to_owned)]
             fn key(

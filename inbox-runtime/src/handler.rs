@@ -63,8 +63,6 @@ pub trait Handler: Send + Sync + 'static {
 
     /// The consumer name under which markers are stored (`inbox.consumer`).
     const CONSUMER: &'static str;
-    /// The `key` expression as written, for logs; empty when the transport id is the key.
-    const KEY_EXPR: &'static str = "";
 
     /// The message's dedup key, computed from a borrow of the message before the body runs;
     /// `None` means "use the transport's id" (JetStream: `Nats-Msg-Id`, else `stream:sequence`).
