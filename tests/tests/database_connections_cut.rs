@@ -3,9 +3,10 @@
 //! message is applied exactly once. SQLite is in-process and has no connections to cut.
 
 use inbox_runtime::Inbox;
-use inbox_tests::backends::{MySql, Postgres, TestBackend};
+use inbox_testkit::wait_until;
+use inbox_tests::backends::TestBackend;
 use inbox_tests::handlers::{Entry, Probe};
-use inbox_tests::{NatsStream, Running, wait_until};
+use inbox_tests::{NatsStream, Running};
 use std::time::Duration;
 
 const UNIQUE: i64 = 600;
@@ -40,7 +41,8 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
             Duration::from_secs(120),
             || async { B::count(&db, "SELECT count(*) FROM inbox").await >= target },
         )
-        .await;
+        .await
+        .unwrap();
         let cut = B::cut_connections(&db).await.expect("a server database");
         assert!(cut > 0, "round {round}: no connection to cut");
     }
@@ -54,7 +56,8 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
         Duration::from_secs(180),
         || async { B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE },
     )
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     let stats = run.stop().await;
     assert_eq!(
@@ -68,12 +71,16 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_connections_cut_mid_stream() {
-    connections_cut_mid_stream::<Postgres>().await
+/// The test on each server backend, in a module named after it.
+macro_rules! on_backend {
+    ($($name:ident: $backend:ty),+) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn connections_cut_mid_stream() {
+                super::connections_cut_mid_stream::<$backend>().await
+            }
+        }
+    )+};
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_connections_cut_mid_stream() {
-    connections_cut_mid_stream::<MySql>().await
-}
+on_backend!(postgres: inbox_tests::backends::Postgres, mysql: inbox_tests::backends::MySql);

@@ -4,11 +4,12 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, Running, wait_until};
+use crate::{NatsStream, Running};
+use inbox_testkit::wait_until;
 use std::time::Duration;
 
 /// The test.
-pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
+async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
@@ -59,7 +60,8 @@ pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
             s.acked == 6 && s.terminated == bad.len() as u64
         },
     )
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     let stats = run.stop().await;
     assert_eq!(stats.nacked, 0);
@@ -89,3 +91,5 @@ pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
         assert_eq!(headers.get("Inbox-Stream").unwrap().as_str(), nats.stream);
     }
 }
+
+super::behaviours!(bad_input_is_dead_lettered_and_does_not_block);

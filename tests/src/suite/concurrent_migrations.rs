@@ -6,7 +6,7 @@ use crate::backends::TestBackend;
 use inbox_runtime::{Inbox, Outcome};
 
 /// The test.
-pub async fn instances_migrating_together_all_succeed<B: TestBackend>() {
+async fn instances_migrating_together_all_succeed<B: TestBackend>() {
     let db = B::create(1).await;
     let mut starts = Vec::new();
     for _ in 0..4 {
@@ -28,3 +28,5 @@ pub async fn instances_migrating_together_all_succeed<B: TestBackend>() {
         .unwrap();
     assert_eq!(outcome, Outcome::Ack);
 }
+
+super::behaviours!(instances_migrating_together_all_succeed);

@@ -6,8 +6,9 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Failure, Probe};
-use crate::{MAX_DELIVER, NatsStream, Running, wait_until};
+use crate::{MAX_DELIVER, NatsStream, Running};
 use inbox_runtime::{Stats, WorkerBuilder};
+use inbox_testkit::wait_until;
 use std::time::Duration;
 
 /// Runs `builder`'s worker with `probe` on one published message until `done` holds.
@@ -32,12 +33,13 @@ async fn run_one<B: TestBackend>(
     wait_until("the expected outcome", Duration::from_secs(60), || async {
         done(worker.stats())
     })
-    .await;
+    .await
+    .unwrap();
     run.stop().await
 }
 
 /// Transient: retried at once, in the same delivery.
-pub async fn transient_failure_is_retried_in_process<B: TestBackend>() {
+async fn transient_failure_is_retried_in_process<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
@@ -59,7 +61,7 @@ pub async fn transient_failure_is_retried_in_process<B: TestBackend>() {
 }
 
 /// Permanent: dead-lettered at once.
-pub async fn permanent_failure_is_dead_lettered_at_once<B: TestBackend>() {
+async fn permanent_failure_is_dead_lettered_at_once<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
@@ -81,7 +83,7 @@ pub async fn permanent_failure_is_dead_lettered_at_once<B: TestBackend>() {
 }
 
 /// Unrecognised: redelivered until max_deliver, then dead-lettered.
-pub async fn failure_is_dead_lettered_at_max_deliver<B: TestBackend>() {
+async fn failure_is_dead_lettered_at_max_deliver<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
@@ -108,7 +110,7 @@ pub async fn failure_is_dead_lettered_at_max_deliver<B: TestBackend>() {
 }
 
 /// A dead letter that cannot be stored: the original is nak'd, never termed.
-pub async fn unstorable_dead_letter_leaves_the_message<B: TestBackend>() {
+async fn unstorable_dead_letter_leaves_the_message<B: TestBackend>() {
     let (_db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
@@ -133,3 +135,10 @@ pub async fn unstorable_dead_letter_leaves_the_message<B: TestBackend>() {
     );
     assert_eq!(info.num_pending + info.num_ack_pending as u64, 1);
 }
+
+super::behaviours!(
+    transient_failure_is_retried_in_process,
+    permanent_failure_is_dead_lettered_at_once,
+    failure_is_dead_lettered_at_max_deliver,
+    unstorable_dead_letter_leaves_the_message
+);

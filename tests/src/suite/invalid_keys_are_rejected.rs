@@ -6,7 +6,7 @@ use crate::handlers::{Entry, Probe};
 use inbox_runtime::{ErrorClass, KeyError, Outcome, ProcessError, classify};
 
 /// The test.
-pub async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
+async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let probe = Probe::open();
     let ledger = B::Ledger::default();
@@ -57,3 +57,5 @@ pub async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     assert_eq!(probe.runs(), 1);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }
+
+super::behaviours!(empty_long_and_missing_keys_are_rejected);
