@@ -106,11 +106,8 @@ impl CreditProcess {
             .args(["-TERM", &pid.to_string()])
             .status()
             .map_err(|e| format!("cannot run kill: {e}"))?;
-        if status.success() {
-            Ok(())
-        } else {
-            Err(format!("kill -TERM {pid} failed ({status})"))
-        }
+        let failed = || format!("kill -TERM {pid} failed ({status})");
+        status.success().then_some(()).ok_or_else(failed)
     }
 
     /// Kills it at once (SIGKILL), as a crash would, and reaps it.

@@ -18,11 +18,7 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
     nats.consumer("c", Duration::from_secs(5)).await;
     let entries: Vec<Vec<u8>> = (0..UNIQUE)
         .flat_map(|i| {
-            let e = Entry {
-                key: format!("m-{i}"),
-                account: i % 7,
-                amount: 1,
-            };
+            let e = Entry::new(format!("m-{i}"), i % 7, 1);
             [e.json(), e.json()]
         })
         .collect();

@@ -10,14 +10,15 @@ use tokio::sync::Barrier;
 /// meet at a barrier, then each wants the other's: the server must abort one of them with a
 /// deadlock error, which is the value.
 macro_rules! deadlock {
-    ($db:expr, $update:literal) => {{
-        $db.pool
+    ($backend:ty, $update:literal) => {{
+        let db = <$backend>::create(4).await;
+        db.pool
             .execute("INSERT INTO accounts VALUES (1, 0), (2, 0)")
             .await
             .unwrap();
         let barrier = Arc::new(Barrier::new(2));
         let spawn = |first: i64, second: i64| {
-            let (pool, barrier) = ($db.pool.clone(), barrier.clone());
+            let (pool, barrier) = (db.pool.clone(), barrier.clone());
             tokio::spawn(async move {
                 let mut tx = pool.begin().await?;
                 sqlx::query($update).bind(first).execute(&mut *tx).await?;
@@ -28,15 +29,18 @@ macro_rules! deadlock {
         };
         let (a, b) = (spawn(1, 2), spawn(2, 1));
         match (a.await.unwrap(), b.await.unwrap()) {
-            (Err(e), Ok(())) | (Ok(()), Err(e)) => e,
+            (Err(e), Ok(())) | (Ok(()), Err(e)) => (db, e),
             other => panic!("expected exactly one deadlock victim, got {other:?}"),
         }
     }};
 }
 
-/// Inserting account 1 a second time on `$db` is a unique violation, and not transient.
-macro_rules! assert_unique_violation_is_not_transient {
-    ($db:expr, $backend:ty) => {{
+/// `$err` is transient on `$backend`; inserting account 1 a second time on `$db` is a unique
+/// violation, and not transient.
+macro_rules! assert_transient_and_unique_violation_not {
+    ($err:expr, $db:expr, $backend:ty) => {{
+        let err = $err;
+        assert!(is_transient::<<$backend as TestBackend>::Db>(&err), "{err}");
         let dup = $db.pool.execute("INSERT INTO accounts VALUES (1, 0)").await;
         let dup = dup.unwrap_err();
         assert!(
@@ -53,15 +57,13 @@ mod postgres {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deadlock_is_transient_and_unique_violation_is_not() {
-        let db = Postgres::create(4).await;
-        let err = deadlock!(
-            db,
+        let (db, err) = deadlock!(
+            Postgres,
             "UPDATE accounts SET balance = balance + 1 WHERE id = $1"
         );
         let code = err.as_database_error().and_then(|e| e.code());
         assert_eq!(code.as_deref(), Some("40P01"));
-        assert!(is_transient::<sqlx::Postgres>(&err), "{err}");
-        assert_unique_violation_is_not_transient!(db, Postgres);
+        assert_transient_and_unique_violation_not!(err, db, Postgres);
     }
 }
 
@@ -70,15 +72,16 @@ mod mysql {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn deadlock_is_transient_and_unique_violation_is_not() {
-        let db = MySql::create(4).await;
-        let err = deadlock!(db, "UPDATE accounts SET balance = balance + 1 WHERE id = ?");
+        let (db, err) = deadlock!(
+            MySql,
+            "UPDATE accounts SET balance = balance + 1 WHERE id = ?"
+        );
         let number = err
             .as_database_error()
             .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
             .map(|e| e.number());
         assert_eq!(number, Some(1213), "{err}");
-        assert!(is_transient::<sqlx::MySql>(&err), "{err}");
-        assert_unique_violation_is_not_transient!(db, MySql);
+        assert_transient_and_unique_violation_not!(err, db, MySql);
     }
 }
 
@@ -102,13 +105,12 @@ mod sqlite {
         let err = impatient.begin_with("BEGIN IMMEDIATE").await.unwrap_err();
         let code = err.as_database_error().and_then(|e| e.code());
         assert_eq!(code.as_deref(), Some("5"), "{err}");
-        assert!(is_transient::<sqlx::Sqlite>(&err), "{err}");
         drop(holder);
 
         db.pool
             .execute("INSERT INTO accounts VALUES (1, 0)")
             .await
             .unwrap();
-        assert_unique_violation_is_not_transient!(db, Sqlite);
+        assert_transient_and_unique_violation_not!(err, db, Sqlite);
     }
 }

@@ -160,7 +160,15 @@ async fn pool<DB: sqlx::Database>(
 /// Defines `exec_on`, `try_count` and `balances`, whose SQL is the same on every backend (sqlx's
 /// executor bounds are per database, hence a macro).
 macro_rules! common_queries {
-    ($db:ty) => {
+    ($db:ty, backdate = $backdate:literal) => {
+        async fn backdate(db: &$crate::backends::TestDb<$db>, key: &'static str) {
+            sqlx::query($backdate)
+                .bind(key)
+                .execute(&db.pool)
+                .await
+                .expect("backdate");
+        }
+
         async fn exec_on(pool: &sqlx::Pool<$db>, sql: &'static str) {
             sqlx::query(sql)
                 .execute(pool)
@@ -188,3 +196,45 @@ macro_rules! common_queries {
     };
 }
 use common_queries;
+
+/// Defines `hold_cleanup_lock` and `release_cleanup_lock` on a server backend from its SQL:
+/// `$lock` tries the lock named by its one bind and returns `$held` (a `$t`) when it got it; `$unlock` releases it. Also `waiting_writers`, from a count of this database's sessions
+/// (its name the one bind) blocked behind a write.
+macro_rules! server_queries {
+    ($db:ty, lock = $lock:literal -> $t:ty, held = $held:expr, unlock = $unlock:literal,
+     waiting_writers = $waiting:literal) => {
+        async fn hold_cleanup_lock(
+            db: &$crate::backends::TestDb<$db>,
+            lock: &'static str,
+        ) -> Option<sqlx::pool::PoolConnection<$db>> {
+            let mut holder = db.pool.acquire().await.expect("a connection");
+            let got: $t = sqlx::query_scalar($lock)
+                .bind(lock)
+                .fetch_one(&mut *holder)
+                .await
+                .expect($lock);
+            assert_eq!(got, $held, "the cleanup lock {lock:?} is already held");
+            Some(holder)
+        }
+
+        async fn release_cleanup_lock(
+            mut holder: sqlx::pool::PoolConnection<$db>,
+            lock: &'static str,
+        ) {
+            sqlx::query($unlock)
+                .bind(lock)
+                .execute(&mut *holder)
+                .await
+                .expect($unlock);
+        }
+
+        async fn waiting_writers(db: &$crate::backends::TestDb<$db>) -> i64 {
+            sqlx::query_scalar::<_, i64>($waiting)
+                .bind(&db.name)
+                .fetch_one(&db.pool)
+                .await
+                .expect($waiting)
+        }
+    };
+}
+use server_queries;

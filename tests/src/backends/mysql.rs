@@ -1,9 +1,8 @@
 //! MySQL or MariaDB: a fresh database on `INBOX_TEST_MYSQL_URL` (default
 //! `mysql://root@127.0.0.1:3306/test`) per test.
 
-use super::{TestBackend, TestDb, common_queries};
+use super::{TestBackend, common_queries, server_queries};
 use inbox_testkit::Backend;
-use sqlx::pool::PoolConnection;
 
 /// MySQL or MariaDB.
 pub struct MySql;
@@ -37,49 +36,21 @@ impl TestBackend for MySql {
         super::pool(url, options, max).await
     }
 
-    common_queries!(sqlx::MySql);
+    common_queries!(
+        sqlx::MySql,
+        backdate = "UPDATE inbox SET received_at = CURRENT_TIMESTAMP(6) - INTERVAL 2 HOUR \
+                    WHERE message_key = ?"
+    );
 
-    async fn hold_cleanup_lock(
-        db: &TestDb<sqlx::MySql>,
-        lock: &'static str,
-    ) -> Option<PoolConnection<sqlx::MySql>> {
-        let mut holder = db.pool.acquire().await.expect("a connection");
-        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
-            .bind(lock)
-            .fetch_one(&mut *holder)
-            .await
-            .expect("GET_LOCK");
-        assert_eq!(got, Some(1), "the cleanup lock {lock:?} is already held");
-        Some(holder)
-    }
-
-    async fn release_cleanup_lock(mut holder: PoolConnection<sqlx::MySql>, lock: &'static str) {
-        sqlx::query("DO RELEASE_LOCK(?)")
-            .bind(lock)
-            .execute(&mut *holder)
-            .await
-            .expect("RELEASE_LOCK");
-    }
-
-    async fn backdate(db: &TestDb<sqlx::MySql>, key: &'static str) {
-        sqlx::query("UPDATE inbox SET received_at = CURRENT_TIMESTAMP(6) - INTERVAL 2 HOUR WHERE message_key = ?")
-            .bind(key)
-            .execute(&db.pool)
-            .await
-            .expect("backdate");
-    }
-
-    async fn waiting_writers(db: &TestDb<sqlx::MySql>) -> i64 {
-        sqlx::query_scalar::<_, i64>(
-            // information_schema.innodb_trx proved unreliable on MariaDB 10.11 (it missed
-            // waiting transactions while other sessions were open): look for a claim statement
-            // still executing instead; a claim that is not blocked returns at once.
-            "SELECT count(*) FROM information_schema.processlist \
-             WHERE db = ? AND info LIKE 'INSERT INTO inbox %'",
-        )
-        .bind(&db.name)
-        .fetch_one(&db.pool)
-        .await
-        .expect("information_schema.processlist")
-    }
+    server_queries!(
+        sqlx::MySql,
+        lock = "SELECT GET_LOCK(?, 0)" -> Option<i64>,
+        held = Some(1),
+        unlock = "DO RELEASE_LOCK(?)",
+        // information_schema.innodb_trx proved unreliable on MariaDB 10.11 (it missed waiting
+        // transactions while other sessions were open): look for a claim statement still
+        // executing instead; a claim that is not blocked returns at once.
+        waiting_writers = "SELECT count(*) FROM information_schema.processlist \
+                           WHERE db = ? AND info LIKE 'INSERT INTO inbox %'"
+    );
 }

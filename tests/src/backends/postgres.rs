@@ -1,9 +1,8 @@
 //! PostgreSQL: a fresh database on `INBOX_TEST_PG_URL` (default
 //! `postgres://postgres@127.0.0.1:5432/test`) per test.
 
-use super::{TestBackend, TestDb, common_queries};
+use super::{TestBackend, common_queries, server_queries};
 use inbox_testkit::Backend;
-use sqlx::pool::PoolConnection;
 
 /// PostgreSQL.
 pub struct Postgres;
@@ -37,47 +36,18 @@ impl TestBackend for Postgres {
         super::pool(url, options, max).await
     }
 
-    common_queries!(sqlx::Postgres);
+    common_queries!(
+        sqlx::Postgres,
+        backdate =
+            "UPDATE inbox SET received_at = now() - interval '2 hours' WHERE message_key = $1"
+    );
 
-    async fn hold_cleanup_lock(
-        db: &TestDb<sqlx::Postgres>,
-        lock: &'static str,
-    ) -> Option<PoolConnection<sqlx::Postgres>> {
-        let mut holder = db.pool.acquire().await.expect("a connection");
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
-            .bind(lock)
-            .fetch_one(&mut *holder)
-            .await
-            .expect("pg_try_advisory_lock");
-        assert!(got, "the cleanup lock {lock:?} is already held");
-        Some(holder)
-    }
-
-    async fn release_cleanup_lock(mut holder: PoolConnection<sqlx::Postgres>, lock: &'static str) {
-        sqlx::query("SELECT pg_advisory_unlock(hashtext($1))")
-            .bind(lock)
-            .execute(&mut *holder)
-            .await
-            .expect("pg_advisory_unlock");
-    }
-
-    async fn backdate(db: &TestDb<sqlx::Postgres>, key: &'static str) {
-        sqlx::query(
-            "UPDATE inbox SET received_at = now() - interval '2 hours' WHERE message_key = $1",
-        )
-        .bind(key)
-        .execute(&db.pool)
-        .await
-        .expect("backdate");
-    }
-
-    async fn waiting_writers(db: &TestDb<sqlx::Postgres>) -> i64 {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock'",
-        )
-        .bind(&db.name)
-        .fetch_one(&db.pool)
-        .await
-        .expect("pg_stat_activity")
-    }
+    server_queries!(
+        sqlx::Postgres,
+        lock = "SELECT pg_try_advisory_lock(hashtext($1))" -> bool,
+        held = true,
+        unlock = "SELECT pg_advisory_unlock(hashtext($1))",
+        waiting_writers = "SELECT count(*) FROM pg_stat_activity \
+                           WHERE datname = $1 AND wait_event_type = 'Lock'"
+    );
 }

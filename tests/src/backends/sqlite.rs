@@ -37,7 +37,11 @@ impl TestBackend for Sqlite {
         super::pool(url, options, max).await
     }
 
-    common_queries!(sqlx::Sqlite);
+    common_queries!(
+        sqlx::Sqlite,
+        backdate = "UPDATE inbox SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-2 hours') \
+                    WHERE message_key = ?1"
+    );
 
     /// None: one writer at a time serialises cleanups without a lock.
     async fn hold_cleanup_lock(
@@ -48,14 +52,6 @@ impl TestBackend for Sqlite {
     }
 
     async fn release_cleanup_lock(_: PoolConnection<sqlx::Sqlite>, _: &'static str) {}
-
-    async fn backdate(db: &TestDb<sqlx::Sqlite>, key: &'static str) {
-        sqlx::query("UPDATE inbox SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-2 hours') WHERE message_key = ?1")
-            .bind(key)
-            .execute(&db.pool)
-            .await
-            .expect("backdate");
-    }
 
     async fn waiting_writers(db: &TestDb<sqlx::Sqlite>) -> i64 {
         // SQLite has no lock table to look at; BEGIN IMMEDIATE makes the second writer wait for

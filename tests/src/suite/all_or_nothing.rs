@@ -11,11 +11,7 @@ use sqlx::error::ErrorKind;
 use std::time::Duration;
 
 fn overdraw() -> Entry {
-    Entry {
-        key: "k".into(),
-        account: 7,
-        amount: -5,
-    }
+    Entry::new("k", 7, -5)
 }
 
 /// Without NATS: the error surfaces, nothing remains.

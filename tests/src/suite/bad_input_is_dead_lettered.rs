@@ -13,14 +13,7 @@ async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let entry = |key: String| {
-        Entry {
-            key,
-            account: 1,
-            amount: 1,
-        }
-        .json()
-    };
+    let entry = |key: String| Entry::new(key, 1, 1).json();
     // (payload, what the dead letter's reason must say)
     let bad: Vec<(Vec<u8>, &str)> = vec![
         (b"{not json".to_vec(), "does not decode"),

@@ -9,11 +9,7 @@ use inbox_runtime::{ErrorClass, Outcome, ProcessError, classify};
 /// The test.
 async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
-    let first = Entry {
-        key: "k1".into(),
-        account: 42,
-        amount: 1,
-    };
+    let first = Entry::new("k1", 42, 1);
     let same_reference = Entry {
         key: "k2".into(),
         ..first.clone()

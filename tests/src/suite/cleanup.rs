@@ -11,11 +11,7 @@ use std::time::Duration;
 async fn cleanup_deletes_only_old_finished_markers<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     for key in ["old-1", "old-2", "old-3", "new-1", "new-2"] {
-        let entry = Entry {
-            key: key.into(),
-            account: 1,
-            amount: 1,
-        };
+        let entry = Entry::new(key, 1, 1);
         let outcome = inbox.process(&B::Credit::default(), &(), entry, None).await;
         assert_eq!(outcome.unwrap(), Outcome::Ack);
     }
@@ -56,11 +52,7 @@ async fn cleanup_deletes_only_old_finished_markers<B: TestBackend>() {
 /// more than one writer; SQLite's single writer serialises them anyway).
 async fn cleanup_runs_one_instance_at_a_time<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
-    let entry = Entry {
-        key: "old".into(),
-        account: 1,
-        amount: 1,
-    };
+    let entry = Entry::new("old", 1, 1);
     inbox
         .process(&B::Credit::default(), &(), entry, None)
         .await

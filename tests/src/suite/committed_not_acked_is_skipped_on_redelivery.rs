@@ -17,13 +17,7 @@ async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
     let nats = NatsStream::create().await;
     // A short ack_wait, so that the unacked delivery comes back quickly.
     let consumer = nats.consumer("c", Duration::from_secs(1)).await;
-    nats.publish_all([Entry {
-        key: "k".into(),
-        account: 1,
-        amount: 10,
-    }
-    .json()])
-        .await;
+    nats.publish_all([Entry::new("k", 1, 10).json()]).await;
     let handler = B::LedgerByTransportId::default();
 
     // The first instance commits and never acks.

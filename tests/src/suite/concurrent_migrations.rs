@@ -17,11 +17,7 @@ async fn instances_migrating_together_all_succeed<B: TestBackend>() {
         start.await.unwrap().expect("a racing migration failed");
     }
     let inbox = Inbox::new(db.pool.clone());
-    let entry = crate::handlers::Entry {
-        key: "k".into(),
-        account: 1,
-        amount: 1,
-    };
+    let entry = crate::handlers::Entry::new("k", 1, 1);
     let outcome = inbox
         .process(&B::Credit::default(), &(), entry, None)
         .await

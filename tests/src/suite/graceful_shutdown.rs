@@ -14,14 +14,7 @@ async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     let nats = NatsStream::create().await;
     nats.consumer("c", Duration::from_secs(30)).await;
     let entries: Vec<Vec<u8>> = (0..5)
-        .map(|i| {
-            Entry {
-                key: format!("m-{i}"),
-                account: 1,
-                amount: 1,
-            }
-            .json()
-        })
+        .map(|i| Entry::new(format!("m-{i}"), 1, 1).json())
         .collect();
     nats.publish_all(entries).await;
 

@@ -28,11 +28,7 @@ pub struct HeldRace<B: TestBackend> {
 /// blocked behind A's uncommitted claim (not merely not yet started).
 pub(super) async fn start<B: TestBackend>(a_fails: bool) -> HeldRace<B> {
     let (db, inbox) = setup::<B>(4).await;
-    let entry = Entry {
-        key: "k".into(),
-        account: 1,
-        amount: 10,
-    };
+    let entry = Entry::new("k", 1, 10);
     let process = |probe: Arc<Probe>| {
         let (inbox, entry) = (inbox.clone(), entry.clone());
         tokio::spawn(async move {

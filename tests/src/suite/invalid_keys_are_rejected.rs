@@ -10,11 +10,7 @@ async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let probe = Probe::open();
     let ledger = B::Ledger::default();
-    let entry = |key: String| Entry {
-        key,
-        account: 1,
-        amount: 1,
-    };
+    let entry = |key: String| Entry::new(key, 1, 1);
 
     let err = inbox
         .process(&ledger, &probe, entry(String::new()), None)

@@ -14,13 +14,7 @@ async fn long_handler_is_not_redelivered<B: TestBackend>() {
     let nats = NatsStream::create().await;
     let ack_wait = Duration::from_secs(1);
     let consumer = nats.consumer("c", ack_wait).await;
-    nats.publish_all([Entry {
-        key: "slow".into(),
-        account: 1,
-        amount: 1,
-    }
-    .json()])
-        .await;
+    nats.publish_all([Entry::new("slow", 1, 1).json()]).await;
     // Room for a redelivery to start, were one sent.
     let worker = nats
         .worker(inbox, consumer)

@@ -19,11 +19,7 @@ async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
     nats.consumer("c", Duration::from_secs(2)).await;
     let entries: Vec<Vec<u8>> = (0..UNIQUE)
         .flat_map(|i| {
-            let e = Entry {
-                key: format!("m-{i}"),
-                account: 1,
-                amount: 1,
-            };
+            let e = Entry::new(format!("m-{i}"), 1, 1);
             [e.json(), e.json()]
         })
         .collect();

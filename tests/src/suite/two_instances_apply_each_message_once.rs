@@ -21,11 +21,7 @@ async fn two_instances_apply_each_message_once<B: TestBackend>() {
     // Each message twice, the copy right behind the original, as a producer retry would send it:
     // the twins often land on different instances at the same time.
     let entries: Vec<Entry> = (0..UNIQUE)
-        .map(|i| Entry {
-            key: format!("m-{i}"),
-            account: (i % 10) as i64,
-            amount: 1,
-        })
+        .map(|i| Entry::new(format!("m-{i}"), (i % 10) as i64, 1))
         .collect();
     nats.publish_all(entries.iter().flat_map(|e| [e.json(), e.json()]))
         .await;
