@@ -183,22 +183,15 @@ macro_rules! backend_handlers {
         /// Credits an account; a balance below zero violates a CHECK constraint.
         #[idempotent(consumer = "credit", key = msg.key)]
         pub async fn credit(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
-            sqlx::query($credit)
-                .bind(msg.account)
-                .bind(msg.amount)
-                .execute(&mut **tx)
-                .await?;
-            Ok(())
+            let upsert = sqlx::query($credit).bind(msg.account).bind(msg.amount);
+            upsert.execute(&mut **tx).await.map(drop)
         }
 
         /// Records a payment whose reference (`msg.account`) is UNIQUE in the business table.
         #[idempotent(consumer = "payment", key = msg.key)]
         pub async fn payment(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
-            sqlx::query($payment)
-                .bind(msg.account)
-                .execute(&mut **tx)
-                .await?;
-            Ok(())
+            let insert = sqlx::query($payment).bind(msg.account);
+            insert.execute(&mut **tx).await.map(drop)
         }
     };
 }
