@@ -6,66 +6,32 @@
 
 use inbox_examples::CreditRequested;
 use inbox_runtime::Inbox;
+use inbox_testkit::{CreditConfig, CreditProcess, wait_until};
 use inbox_tests::backends::{TestBackend, TestDb};
-use inbox_tests::{NatsStream, nats_url, wait_until};
+use inbox_tests::{NatsStream, nats_url};
 use std::collections::BTreeMap;
-use std::process::Stdio;
 use std::time::Duration;
-use tokio::io::AsyncReadExt;
-use tokio::process::{Child, Command};
 
 const DURABLE: &str = "credit_t";
+/// How long a stopped `credit` may take to exit.
+const STOP: Duration = Duration::from_secs(60);
 
-fn spawn_credit<DB: sqlx::Database>(db: &TestDb<DB>, nats: &NatsStream) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_credit"))
-        .env("DATABASE_URL", &db.url)
-        .env("NATS_URL", nats_url())
-        .env("CREDIT_STREAM", &nats.stream)
-        .env("CREDIT_SUBJECT", &nats.subject)
-        .env("CREDIT_CONSUMER", DURABLE)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn credit")
+fn spawn_credit<DB: sqlx::Database>(db: &TestDb<DB>, nats: &NatsStream) -> CreditProcess {
+    let config = CreditConfig {
+        binary: env!("CARGO_BIN_EXE_credit").into(),
+        nats_url: nats_url(),
+        database_url: db.url.clone(),
+        stream: nats.stream.clone(),
+        subject: nats.subject.clone(),
+        consumer: DURABLE.into(),
+        rust_log: "warn".into(),
+    };
+    CreditProcess::spawn(&config, None).expect("spawn credit")
 }
 
-fn sigterm(child: &Child) {
-    let pid = child.id().expect("running").to_string();
-    let status = std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .expect("run kill");
-    assert!(status.success(), "kill -TERM {pid} failed");
-}
-
-async fn stop(mut child: Child) -> String {
-    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
-        .await
-        .expect("credit did not exit within 60 s of SIGTERM")
-        .expect("wait for credit");
-    assert!(status.success(), "credit exited with {status}");
-    let mut out = String::new();
-    child
-        .stdout
-        .take()
-        .expect("piped")
-        .read_to_string(&mut out)
-        .await
-        .expect("read stdout");
-    out
-}
-
-/// `applied=N` from the line `credit` prints when it stops.
-fn applied(stdout: &str) -> u64 {
-    let line = stdout
-        .lines()
-        .find(|l| l.starts_with("credit stopped:"))
-        .unwrap_or_else(|| panic!("no summary line in {stdout:?}"));
-    line.split_whitespace()
-        .find_map(|w| w.strip_prefix("applied="))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no applied= in {line:?}"))
+/// SIGTERMs `credit`, which must exit 0; returns how many messages it applied.
+async fn stop(process: CreditProcess) -> u64 {
+    process.stop(STOP).await.expect("stop credit").applied
 }
 
 /// Requests over 25 accounts and the balance each account must end with.
@@ -95,6 +61,15 @@ async fn database<B: TestBackend>() -> TestDb<B::Db> {
     db
 }
 
+/// Waits until `n` requests have their marker.
+async fn wait_applied<B: TestBackend>(db: &TestDb<B::Db>, n: usize, deadline: Duration) {
+    wait_until("every request to be applied", deadline, async || {
+        B::count(db, "SELECT count(*) FROM inbox").await == n as i64
+    })
+    .await
+    .unwrap();
+}
+
 async fn sigterm_mid_stream<B: TestBackend>() {
     let db = database::<B>().await;
     let nats = NatsStream::create().await;
@@ -110,29 +85,23 @@ async fn sigterm_mid_stream<B: TestBackend>() {
     wait_until(
         "credit to be applying messages",
         Duration::from_secs(120),
-        || async { B::count(&db, "SELECT count(*) FROM inbox").await >= 100 },
+        async || B::count(&db, "SELECT count(*) FROM inbox").await >= 100,
     )
-    .await;
-    sigterm(&a);
-    let a_out = stop(a).await;
-    assert!(applied(&a_out) > 0, "the stopped instance applied nothing");
+    .await
+    .unwrap();
+    let a_applied = stop(a).await;
+    assert!(a_applied > 0, "the stopped instance applied nothing");
 
     // The rest of the stream arrives after A is gone: B alone must finish it.
     nats.publish_all(second.iter().map(json)).await;
-    wait_until(
-        "every request to be applied",
-        Duration::from_secs(120),
-        || async { B::count(&db, "SELECT count(*) FROM inbox").await == requests.len() as i64 },
-    )
-    .await;
+    wait_applied::<B>(&db, requests.len(), Duration::from_secs(120)).await;
     nats.wait_drained(DURABLE).await;
-    sigterm(&b);
-    let b_out = stop(b).await;
-    assert!(applied(&b_out) > 0);
+    let b_applied = stop(b).await;
+    assert!(b_applied > 0);
 
     let balances = B::balances(&db).await;
     assert_eq!(balances, expected, "a request was lost or applied twice");
-    assert_eq!(applied(&a_out) + applied(&b_out), requests.len() as u64);
+    assert_eq!(a_applied + b_applied, requests.len() as u64);
 }
 
 async fn three_processes_with_duplicates<B: TestBackend>() {
@@ -143,18 +112,12 @@ async fn three_processes_with_duplicates<B: TestBackend>() {
     nats.publish_all(requests.iter().flat_map(|r| [json(r), json(r)]))
         .await;
 
-    let processes: Vec<Child> = (0..3).map(|_| spawn_credit(&db, &nats)).collect();
-    wait_until(
-        "every request to be applied",
-        Duration::from_secs(180),
-        || async { B::count(&db, "SELECT count(*) FROM inbox").await == requests.len() as i64 },
-    )
-    .await;
+    let processes: Vec<CreditProcess> = (0..3).map(|_| spawn_credit(&db, &nats)).collect();
+    wait_applied::<B>(&db, requests.len(), Duration::from_secs(180)).await;
     nats.wait_drained(DURABLE).await;
     let mut applied_total = 0;
     for p in processes {
-        sigterm(&p);
-        applied_total += applied(&stop(p).await);
+        applied_total += stop(p).await;
     }
     assert_eq!(
         B::balances(&db).await,
@@ -182,5 +145,5 @@ macro_rules! on_backend {
 }
 
 on_backend!(postgres, inbox_tests::backends::Postgres);
-on_backend!(mariadb, inbox_tests::backends::MySql);
+on_backend!(mysql, inbox_tests::backends::MySql);
 on_backend!(sqlite, inbox_tests::backends::Sqlite);

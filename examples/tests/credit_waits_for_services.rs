@@ -3,27 +3,28 @@
 
 use inbox_examples::CreditRequested;
 use inbox_runtime::Inbox;
-use inbox_tests::backends::{Postgres, TestBackend, with_database};
-use inbox_tests::{NatsStream, PrivateNats, TcpProxy, wait_until};
-use std::path::Path;
-use std::process::Stdio;
+use inbox_testkit::{CreditConfig, CreditProcess, PrivateNats, TcpProxy, wait_until};
+use inbox_testkit::{publish_and_wait, with_database};
+use inbox_tests::NatsStream;
+use inbox_tests::backends::{Postgres, TestBackend, TestDb};
+use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio::process::{Child, Command};
 
-fn spawn_credit(database_url: &str, nats_url: &str, log: &Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_credit"))
-        .env("DATABASE_URL", database_url)
-        .env("NATS_URL", nats_url)
-        .env("CREDIT_STREAM", "WAITS")
-        .env("CREDIT_SUBJECT", "waits.credits")
-        .env("CREDIT_CONSUMER", "waits")
-        .env("RUST_LOG", "warn")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).expect("log file"))
-        .kill_on_drop(true)
-        .spawn()
-        .expect("spawn credit")
+const STREAM: &str = "WAITS";
+const SUBJECT: &str = "waits.credits";
+
+/// `credit` on `database_url` and `nats_url`, its log in a file of the test's own.
+fn spawn_credit(database_url: &str, nats_url: &str, log: &Path) -> CreditProcess {
+    let config = CreditConfig {
+        binary: env!("CARGO_BIN_EXE_credit").into(),
+        nats_url: nats_url.into(),
+        database_url: database_url.into(),
+        stream: STREAM.into(),
+        subject: SUBJECT.into(),
+        consumer: "waits".into(),
+        rust_log: "warn".into(),
+    };
+    CreditProcess::spawn(&config, Some(log)).expect("spawn credit")
 }
 
 fn retries_logged(log: &Path, what: &str) -> usize {
@@ -34,103 +35,76 @@ fn retries_logged(log: &Path, what: &str) -> usize {
         .count()
 }
 
-async fn publish(nats: &NatsStream, n: i64) {
-    let requests = (0..n).map(|i| {
-        serde_json::to_vec(&CreditRequested {
+/// A fresh PostgreSQL database with the inbox migrated, and a log file named after it.
+async fn database(log: &str) -> (TestDb<sqlx::Postgres>, PathBuf) {
+    let db = Postgres::create(2).await;
+    Inbox::new(db.pool.clone()).migrate().await.unwrap();
+    let log = std::env::temp_dir().join(format!("{}-{log}.log", db.name));
+    (db, log)
+}
+
+/// `credit` logs a retry for `what` at least twice, and with backoff (not ten in a minute).
+async fn assert_retries_with_backoff(log: &Path, what: &str) {
+    wait_until("two logged retries", Duration::from_secs(60), async || {
+        retries_logged(log, what) >= 2
+    })
+    .await
+    .unwrap();
+    assert!(retries_logged(log, what) < 10, "retrying without backoff");
+}
+
+/// Once the missing service is back: `credit` creates its stream, applies 20 credits, and stops
+/// cleanly on SIGTERM.
+async fn works_once_back(credit: CreditProcess, nats_url: &str, db: &TestDb<sqlx::Postgres>) {
+    let nats = NatsStream::create_at(nats_url).await;
+    wait_until(
+        "credit to create its stream",
+        Duration::from_secs(60),
+        async || nats.js.get_stream(STREAM).await.is_ok(),
+    )
+    .await
+    .unwrap();
+    let requests = (0..20).map(|i| {
+        let request = CreditRequested {
             id: format!("w-{i}"),
             account: 1,
             amount: 1,
-        })
-        .unwrap()
+        };
+        serde_json::to_vec(&request).unwrap()
     });
-    let mut acks = Vec::new();
-    for r in requests {
-        acks.push(nats.js.publish("waits.credits", r.into()).await.unwrap());
-    }
-    for a in acks {
-        a.await.unwrap();
-    }
-}
-
-async fn sigterm_and_wait(mut child: Child) {
-    let pid = child.id().expect("running").to_string();
-    std::process::Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap();
-    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
-        .await
-        .expect("credit did not stop")
-        .unwrap();
-    assert!(status.success(), "credit exited with {status}");
+    publish_and_wait(&nats.js, SUBJECT, requests).await.unwrap();
+    wait_until("the credits", Duration::from_secs(60), async || {
+        Postgres::count(db, "SELECT count(*) FROM inbox").await == 20
+    })
+    .await
+    .unwrap();
+    credit.stop(Duration::from_secs(60)).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credit_waits_for_nats_at_start() {
-    let db = Postgres::create(2).await;
-    Inbox::new(db.pool.clone()).migrate().await.unwrap();
-    let mut server = PrivateNats::start();
+    let (db, log) = database("nats").await;
+    let mut server = PrivateNats::start().await.unwrap();
     server.kill();
-    let log = std::env::temp_dir().join(format!("{}-nats.log", db.name));
-    let child = spawn_credit(&db.url, &server.url, &log);
-    wait_until("two logged retries", Duration::from_secs(60), || async {
-        retries_logged(&log, "NATS") >= 2
-    })
-    .await;
-    assert!(
-        retries_logged(&log, "NATS") < 10,
-        "retrying without backoff"
-    );
-    server.restart();
-    let nats = NatsStream::create_at(&server.url).await;
-    wait_until(
-        "credit to create its stream",
-        Duration::from_secs(60),
-        || async { nats.js.get_stream("WAITS").await.is_ok() },
-    )
-    .await;
-    publish(&nats, 20).await;
-    wait_until("the credits", Duration::from_secs(60), || async {
-        Postgres::count(&db, "SELECT count(*) FROM inbox").await == 20
-    })
-    .await;
-    sigterm_and_wait(child).await;
+    let credit = spawn_credit(&db.url, &server.url, &log);
+    assert_retries_with_backoff(&log, "NATS").await;
+    server.restart().await.unwrap();
+    works_once_back(credit, &server.url, &db).await;
     let _ = std::fs::remove_file(&log);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn credit_waits_for_the_database_at_start() {
-    let db = Postgres::create(2).await;
-    Inbox::new(db.pool.clone()).migrate().await.unwrap();
-    let server = PrivateNats::start();
-    let mut proxy = TcpProxy::reserve();
+    let (db, log) = database("db").await;
+    let server = PrivateNats::start().await.unwrap();
+    let mut proxy = TcpProxy::reserve().unwrap();
     let through_proxy = with_database(
         &format!("postgres://postgres@127.0.0.1:{}/x", proxy.port),
         &db.name,
     );
-    let log = std::env::temp_dir().join(format!("{}-db.log", db.name));
-    let child = spawn_credit(&through_proxy, &server.url, &log);
-    wait_until("two logged retries", Duration::from_secs(60), || async {
-        retries_logged(&log, "the database") >= 2
-    })
-    .await;
-    assert!(
-        retries_logged(&log, "the database") < 10,
-        "retrying without backoff"
-    );
-    proxy.start("127.0.0.1:5432").await;
-    let nats = NatsStream::create_at(&server.url).await;
-    wait_until(
-        "credit to create its stream",
-        Duration::from_secs(60),
-        || async { nats.js.get_stream("WAITS").await.is_ok() },
-    )
-    .await;
-    publish(&nats, 20).await;
-    wait_until("the credits", Duration::from_secs(60), || async {
-        Postgres::count(&db, "SELECT count(*) FROM inbox").await == 20
-    })
-    .await;
-    sigterm_and_wait(child).await;
+    let credit = spawn_credit(&through_proxy, &server.url, &log);
+    assert_retries_with_backoff(&log, "the database").await;
+    proxy.start("127.0.0.1:5432").await.unwrap();
+    works_once_back(credit, &server.url, &db).await;
     let _ = std::fs::remove_file(&log);
 }

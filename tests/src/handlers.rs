@@ -17,6 +17,15 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// The message with `key`, for `account` and `amount`.
+    pub fn new(key: impl Into<String>, account: i64, amount: i64) -> Entry {
+        Entry {
+            key: key.into(),
+            account,
+            amount,
+        }
+    }
+
     /// A message as published.
     pub fn json(&self) -> Vec<u8> {
         serde_json::to_vec(self).expect("serialize")
@@ -144,6 +153,12 @@ macro_rules! backend_handlers {
         use inbox_runtime::{Tx, idempotent};
         use $crate::handlers::{Entry, LedgerError, Probe};
 
+        /// Appends `msg` to the ledger.
+        async fn append(msg: &Entry, tx: &mut Tx<'_, $db>) -> Result<(), sqlx::Error> {
+            let insert = sqlx::query($ledger).bind(&msg.key).bind(msg.account);
+            insert.bind(msg.amount).execute(&mut **tx).await.map(drop)
+        }
+
         /// Appends a ledger row; keyed by `msg.key`; steered by the probe.
         #[idempotent(consumer = "ledger", key = msg.key)]
         pub async fn ledger(
@@ -152,12 +167,7 @@ macro_rules! backend_handlers {
             probe: &Probe,
         ) -> Result<(), LedgerError> {
             probe.on_run();
-            sqlx::query($ledger)
-                .bind(&msg.key)
-                .bind(msg.account)
-                .bind(msg.amount)
-                .execute(&mut **tx)
-                .await?;
+            append(&msg, tx).await?;
             probe.gate().await
         }
 
@@ -167,34 +177,21 @@ macro_rules! backend_handlers {
             msg: Entry,
             tx: &mut Tx<$db>,
         ) -> Result<(), sqlx::Error> {
-            sqlx::query($ledger)
-                .bind(&msg.key)
-                .bind(msg.account)
-                .bind(msg.amount)
-                .execute(&mut **tx)
-                .await?;
-            Ok(())
+            append(&msg, tx).await
         }
 
         /// Credits an account; a balance below zero violates a CHECK constraint.
         #[idempotent(consumer = "credit", key = msg.key)]
         pub async fn credit(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
-            sqlx::query($credit)
-                .bind(msg.account)
-                .bind(msg.amount)
-                .execute(&mut **tx)
-                .await?;
-            Ok(())
+            let upsert = sqlx::query($credit).bind(msg.account).bind(msg.amount);
+            upsert.execute(&mut **tx).await.map(drop)
         }
 
         /// Records a payment whose reference (`msg.account`) is UNIQUE in the business table.
         #[idempotent(consumer = "payment", key = msg.key)]
         pub async fn payment(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
-            sqlx::query($payment)
-                .bind(msg.account)
-                .execute(&mut **tx)
-                .await?;
-            Ok(())
+            let insert = sqlx::query($payment).bind(msg.account);
+            insert.execute(&mut **tx).await.map(drop)
         }
     };
 }

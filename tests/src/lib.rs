@@ -1,27 +1,22 @@
 //! Test harness: each test gets its own database (PostgreSQL, MariaDB or SQLite; see
 //! [`backends`]) and its own JetStream stream, both removed when the guard drops (also when the
 //! test panics). A service that cannot be reached fails the test with a message naming it;
-//! nothing here skips. [`suite`] holds the behaviours every backend must show.
+//! nothing here skips (see CONTRIBUTING.md). The conformance suite (`src/suite/`, the behaviours
+//! every backend must show) is compiled into this crate's own tests: `cargo test -p inbox-tests
+//! --lib`.
 
 use async_nats::jetstream::{self, consumer::pull, stream};
-use std::future::Future;
-use std::time::{Duration, Instant};
+use inbox_testkit::{Outgoing, off_runtime, unique, wait_until};
+use std::time::Duration;
 
 pub mod backends;
 pub mod handlers;
-pub mod suite;
+#[cfg(test)]
+mod suite;
 
 /// The NATS server tests use: `INBOX_TEST_NATS_URL`, default the machine's.
 pub fn nats_url() -> String {
     std::env::var("INBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
-}
-
-/// A short random suffix for names of databases, streams and consumers.
-pub fn unique(prefix: &str) -> String {
-    format!(
-        "{prefix}{}",
-        &uuid::Uuid::new_v4().simple().to_string()[..12]
-    )
 }
 
 /// Logs to the test's output when `RUST_LOG` is set.
@@ -30,19 +25,6 @@ pub fn init_tracing() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
-}
-
-/// Runs `fut` to completion on a runtime of its own on another thread: for cleanup from `Drop`,
-/// which may run inside or outside a runtime.
-pub(crate) fn off_runtime<F: Future<Output = ()> + Send + 'static>(fut: F) {
-    let _ = std::thread::spawn(move || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("cleanup runtime")
-            .block_on(fut)
-    })
-    .join();
 }
 
 /// A fresh JetStream stream with one subject, deleted with the guard.
@@ -73,7 +55,9 @@ impl NatsStream {
 
     /// Creates a stream with random names on the server at `url`.
     pub async fn create_at(url: &str) -> NatsStream {
-        let client = connect(url).await;
+        let client = inbox_testkit::connect(url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         let js = jetstream::new(client.clone());
         let stream = unique("T_");
         let subject = format!("t.{}", stream.to_lowercase());
@@ -125,8 +109,11 @@ impl NatsStream {
         &self,
         durable: &str,
     ) -> jetstream::consumer::PullConsumer {
-        let js = jetstream::new(connect(&self.url).await);
-        js.get_stream(&self.stream)
+        let client = inbox_testkit::connect(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        jetstream::new(client)
+            .get_stream(&self.stream)
             .await
             .expect("get stream")
             .get_consumer(durable)
@@ -134,24 +121,16 @@ impl NatsStream {
             .expect("get consumer")
     }
 
-    /// Publishes each payload (no `Nats-Msg-Id`, so the broker does not dedup) and waits for every
-    /// publish to be stored.
-    pub async fn publish_all<I>(&self, payloads: I)
+    /// Publishes each message to the stream's subject (payloads without `Nats-Msg-Id` are not
+    /// deduplicated by the broker) and waits for every publish to be stored.
+    pub async fn publish_all<I>(&self, messages: I)
     where
-        I: IntoIterator<Item = Vec<u8>>,
+        I: IntoIterator,
+        I::Item: Into<Outgoing>,
     {
-        let mut acks = Vec::new();
-        for p in payloads {
-            acks.push(
-                self.js
-                    .publish(self.subject.clone(), p.into())
-                    .await
-                    .expect("publish"),
-            );
-        }
-        for ack in acks {
-            ack.await.expect("publish ack");
-        }
+        inbox_testkit::publish_and_wait(&self.js, &self.subject, messages)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// A worker builder whose dead letters go to this test's own stream.
@@ -170,13 +149,11 @@ impl NatsStream {
             return Vec::new();
         };
         let mut out = Vec::new();
-        let mut seq = 1;
         let last = stream.cached_info().state.last_sequence;
-        while seq <= last {
+        for seq in 1..=last {
             if let Ok(m) = stream.get_raw_message(seq).await {
                 out.push((m.payload.to_vec(), m.headers));
             }
-            seq += 1;
         }
         out
     }
@@ -194,13 +171,20 @@ impl NatsStream {
         c.info().await.expect("consumer info").clone()
     }
 
-    /// Waits until the consumer has nothing pending and nothing awaiting ack.
+    /// Waits (up to 90 s) until the consumer has nothing pending and nothing awaiting ack.
     pub async fn wait_drained(&self, durable: &str) {
-        wait_until("the consumer to drain", Duration::from_secs(90), || async {
-            let info = self.info(durable).await;
-            info.num_pending == 0 && info.num_ack_pending == 0
-        })
-        .await;
+        wait_until(
+            "the consumer to drain",
+            Duration::from_secs(90),
+            async || {
+                inbox_testkit::backlog(&self.js, &self.stream, durable)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .drained()
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     }
 }
 
@@ -219,153 +203,6 @@ impl Drop for NatsStream {
             }
         });
     }
-}
-
-/// A `nats-server` of the test's own (`/usr/sbin/nats-server` or on `PATH`), with JetStream, on
-/// a free loopback port and a temporary store, so that a test can kill and restart it without
-/// touching the shared server. Killed when dropped.
-pub struct PrivateNats {
-    /// `nats://127.0.0.1:<port>`.
-    pub url: String,
-    port: u16,
-    store: std::path::PathBuf,
-    child: Option<std::process::Child>,
-}
-
-impl PrivateNats {
-    /// Starts a server; fails the test when there is no `nats-server` binary.
-    pub fn start() -> PrivateNats {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let store = std::env::temp_dir().join(unique("inbox-nats-"));
-        let mut nats = PrivateNats {
-            url: format!("nats://127.0.0.1:{port}"),
-            port,
-            store,
-            child: None,
-        };
-        nats.restart();
-        nats
-    }
-
-    fn binary() -> std::path::PathBuf {
-        std::env::var_os("PATH")
-            .into_iter()
-            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-            .chain([std::path::PathBuf::from("/usr/sbin")])
-            .map(|d| d.join("nats-server"))
-            .find(|p| p.is_file())
-            .expect("no nats-server binary (Debian: apt-get install nats-server)")
-    }
-
-    /// Kills the server at once (SIGKILL), as a crash would.
-    pub fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-
-    /// Starts the server again on the same port and store, and waits until it answers.
-    pub fn restart(&mut self) {
-        self.kill();
-        let child = std::process::Command::new(Self::binary())
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
-            .arg(&self.store)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .expect("start nats-server");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let addr = format!("127.0.0.1:{}", self.port);
-        while std::net::TcpStream::connect(&addr).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server did not start on {addr}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for PrivateNats {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.store);
-    }
-}
-
-/// A TCP forwarder of the test's own between the code under test and a server: started on a port
-/// reserved in advance (so that the code can be pointed at it while it is still down), and cut
-/// (every connection dropped) when the test says so or when it is dropped.
-pub struct TcpProxy {
-    /// The port it listens on.
-    pub port: u16,
-    task: Option<tokio::task::JoinHandle<()>>,
-}
-
-impl TcpProxy {
-    /// Reserves a free port; nothing listens there until [`TcpProxy::start`].
-    pub fn reserve() -> TcpProxy {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        TcpProxy { port, task: None }
-    }
-
-    /// Starts forwarding every connection to `upstream` (`host:port`).
-    pub async fn start(&mut self, upstream: &str) {
-        let listener = tokio::net::TcpListener::bind(("127.0.0.1", self.port))
-            .await
-            .expect("bind the proxy port");
-        let upstream = upstream.to_owned();
-        self.task = Some(tokio::spawn(async move {
-            let mut links = tokio::task::JoinSet::new();
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let upstream = upstream.clone();
-                links.spawn(async move {
-                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(&upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                    }
-                });
-            }
-        }));
-    }
-
-    /// Stops listening and drops every forwarded connection.
-    pub fn cut(&mut self) {
-        if let Some(task) = self.task.take() {
-            task.abort();
-        }
-    }
-}
-
-impl Drop for TcpProxy {
-    fn drop(&mut self) {
-        self.cut();
-    }
-}
-
-/// Connects to NATS, failing the test with a message that names the server when it cannot.
-pub async fn connect(url: &str) -> async_nats::Client {
-    async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(url)
-        .await
-        .unwrap_or_else(|e| {
-            panic!("NATS is not reachable at {url}: {e} (start it; see DEVELOPERS.md)")
-        })
 }
 
 /// A worker running in the background until [`Running::stop`].
@@ -411,24 +248,5 @@ impl Running {
     pub async fn stop(self) -> inbox_runtime::Stats {
         self.cancel();
         self.join().await
-    }
-}
-
-/// Polls `cond` until it holds, failing the test after `deadline`. Never a fixed sleep.
-pub async fn wait_until<F, Fut>(what: &str, deadline: Duration, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let start = Instant::now();
-    loop {
-        if cond().await {
-            return;
-        }
-        assert!(
-            start.elapsed() < deadline,
-            "timed out after {deadline:?} waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -3,9 +3,10 @@
 //! message is applied exactly once. SQLite is in-process and has no connections to cut.
 
 use inbox_runtime::Inbox;
-use inbox_tests::backends::{MySql, Postgres, TestBackend};
+use inbox_testkit::wait_until;
+use inbox_tests::backends::TestBackend;
 use inbox_tests::handlers::{Entry, Probe};
-use inbox_tests::{NatsStream, Running, wait_until};
+use inbox_tests::{NatsStream, Running};
 use std::time::Duration;
 
 const UNIQUE: i64 = 600;
@@ -17,11 +18,7 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
     nats.consumer("c", Duration::from_secs(5)).await;
     let entries: Vec<Vec<u8>> = (0..UNIQUE)
         .flat_map(|i| {
-            let e = Entry {
-                key: format!("m-{i}"),
-                account: i % 7,
-                amount: 1,
-            };
+            let e = Entry::new(format!("m-{i}"), i % 7, 1);
             [e.json(), e.json()]
         })
         .collect();
@@ -40,7 +37,8 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
             Duration::from_secs(120),
             || async { B::count(&db, "SELECT count(*) FROM inbox").await >= target },
         )
-        .await;
+        .await
+        .unwrap();
         let cut = B::cut_connections(&db).await.expect("a server database");
         assert!(cut > 0, "round {round}: no connection to cut");
     }
@@ -54,7 +52,8 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
         Duration::from_secs(180),
         || async { B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE },
     )
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     let stats = run.stop().await;
     assert_eq!(
@@ -68,12 +67,16 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn postgres_connections_cut_mid_stream() {
-    connections_cut_mid_stream::<Postgres>().await
+/// The test on each server backend, in a module named after it.
+macro_rules! on_backend {
+    ($($name:ident: $backend:ty),+) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn connections_cut_mid_stream() {
+                super::connections_cut_mid_stream::<$backend>().await
+            }
+        }
+    )+};
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_connections_cut_mid_stream() {
-    connections_cut_mid_stream::<MySql>().await
-}
+on_backend!(postgres: inbox_tests::backends::Postgres, mysql: inbox_tests::backends::MySql);

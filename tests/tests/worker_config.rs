@@ -21,6 +21,13 @@ async fn fine(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error
     Ok(())
 }
 
+/// The error of a worker that must be refused at build.
+fn refused<H: inbox_runtime::Handler>(
+    built: Result<inbox_runtime::Worker<H>, WorkerError>,
+) -> WorkerError {
+    built.err().expect("the worker was built")
+}
+
 async fn consumer(
     nats: &NatsStream,
     name: &str,
@@ -45,11 +52,7 @@ async fn bad_configurations_are_rejected_at_build() {
     let nats = NatsStream::create().await;
 
     let unbounded = consumer(&nats, "unbounded", pull::Config::default()).await;
-    let err = nats
-        .worker(inbox.clone(), unbounded)
-        .build(fine)
-        .err()
-        .unwrap();
+    let err = refused(nats.worker(inbox.clone(), unbounded).build(fine));
     assert!(
         matches!(err, WorkerError::UnboundedMaxDeliver { .. }),
         "{err}"
@@ -62,11 +65,7 @@ async fn bad_configurations_are_rejected_at_build() {
         ..Default::default()
     };
     let ack_all = consumer(&nats, "ack_all", ack_all).await;
-    let err = nats
-        .worker(inbox.clone(), ack_all)
-        .build(fine)
-        .err()
-        .unwrap();
+    let err = refused(nats.worker(inbox.clone(), ack_all).build(fine));
     assert!(matches!(err, WorkerError::AckPolicy { .. }), "{err}");
 
     let ok = pull::Config {
@@ -74,11 +73,7 @@ async fn bad_configurations_are_rejected_at_build() {
         ..Default::default()
     };
     let ok = consumer(&nats, "ok", ok).await;
-    let err = nats
-        .worker(inbox.clone(), ok.clone())
-        .build(badly_named)
-        .err()
-        .unwrap();
+    let err = refused(nats.worker(inbox.clone(), ok.clone()).build(badly_named));
     assert!(matches!(err, WorkerError::ConsumerName { .. }), "{err}");
     assert!(err.to_string().contains("\"bad name\""), "{err}");
 
@@ -91,13 +86,12 @@ async fn bad_configurations_are_rejected_at_build() {
         .cached_info()
         .config
         .clone();
-    let err = nats
-        .worker(inbox.clone(), ok.clone())
-        .cleanup(Duration::from_secs(329), &stream)
-        .cleanup_margin(Duration::from_secs(60))
-        .build(fine)
-        .err()
-        .unwrap();
+    let err = refused(
+        nats.worker(inbox.clone(), ok.clone())
+            .cleanup(Duration::from_secs(329), &stream)
+            .cleanup_margin(Duration::from_secs(60))
+            .build(fine),
+    );
     assert!(
         matches!(err, WorkerError::RetentionTooShort { .. }),
         "{err}"
@@ -119,12 +113,11 @@ async fn bad_configurations_are_rejected_at_build() {
         .build(fine);
     assert!(long_enough.is_ok());
 
-    let err = nats
-        .worker(inbox.clone(), ok.clone())
-        .concurrency(0)
-        .build(fine)
-        .err()
-        .unwrap();
+    let err = refused(
+        nats.worker(inbox.clone(), ok.clone())
+            .concurrency(0)
+            .build(fine),
+    );
     assert!(matches!(err, WorkerError::ZeroConcurrency), "{err}");
     assert!(nats.worker(inbox, ok).build(fine).is_ok());
 }

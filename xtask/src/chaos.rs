@@ -1,21 +1,23 @@
 //! `cargo xtask chaos`: exactly-once under faults, for a user to run.
 //!
-//! Per backend: a private nats-server, N credit requests each published twice (once with
-//! `Nats-Msg-Id`, once without), a few poison and CHECK-violating ones, three `credit`
-//! processes; while they work, one of them is SIGKILLed and restarted every two seconds, the
-//! nats-server is killed and restarted once, and every database connection is cut once. When the
-//! consumer has drained: every request must be applied exactly once and every bad message
-//! dead-lettered. Each valid request credits its own account with 1, so a balance of 0 is a lost
-//! message and a balance of 2 or more one applied twice.
+//! Per backend, three steps. **Publish**: on a private nats-server, N credit requests each
+//! published twice (once with `Nats-Msg-Id`, once without), plus a few poison and
+//! CHECK-violating ones. **Supervise**: three `credit` processes work while one of them is
+//! SIGKILLed and restarted every two seconds, the nats-server is killed and restarted once, and
+//! every database connection is cut once (the [`Faults`]). **Verify**, once the consumer has
+//! drained: every request applied exactly once and every bad message dead-lettered. Each valid
+//! request credits its own account with 1, so a balance of 0 is a lost message and a balance of
+//! 2 or more one applied twice.
 
-use crate::nats::PrivateNats;
 use async_nats::jetstream::{self, consumer::pull, stream};
+use inbox_testkit::{
+    Backend, CreditConfig, CreditProcess, Database, Outgoing, Poll, PrivateNats, backlog,
+    publish_and_wait, unique,
+};
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, AssertSqlSafe, SqlSafeStr};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
-use tokio::process::{Child, Command};
 
 const POISON: usize = 5;
 const OVERDRAWS: usize = 5;
@@ -25,39 +27,120 @@ const SUBJECT: &str = "chaos.credits";
 const DURABLE: &str = "chaos";
 /// The runtime's default dead-letter stream, which `credit` uses.
 const DLQ_STREAM: &str = "INBOX_DLQ";
+/// How often a `credit` process is SIGKILLed.
+const KILL_EVERY: Duration = Duration::from_secs(2);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Backend {
-    Postgres,
-    MySql,
-    Sqlite,
+/// What `cargo xtask chaos` was asked for.
+pub struct Options {
+    backends: Vec<Backend>,
+    messages: usize,
+    release: bool,
 }
 
-impl Backend {
-    fn name(self) -> &'static str {
-        match self {
-            Backend::Postgres => "postgres",
-            Backend::MySql => "mysql",
-            Backend::Sqlite => "sqlite",
+impl Options {
+    /// The short run `cargo xtask test` ends with: every backend, 2,000 requests, debug build.
+    pub fn short() -> Options {
+        Options {
+            backends: Backend::ALL.to_vec(),
+            messages: 2_000,
+            release: false,
         }
     }
+
+    /// `[--db postgres|mysql|sqlite|all] [--messages N] [--release]`.
+    pub fn parse(args: &[String]) -> Result<Options, String> {
+        let mut options = Options {
+            messages: 20_000,
+            ..Options::short()
+        };
+        let mut it = args.iter();
+        while let Some(arg) = it.next() {
+            match arg.as_str() {
+                "--db" => {
+                    options.backends = match it.next().map(String::as_str) {
+                        Some("all") => Backend::ALL.to_vec(),
+                        Some(word) if Backend::parse(word).is_some() => {
+                            Backend::parse(word).into_iter().collect()
+                        }
+                        other => {
+                            return Err(format!(
+                                "--db takes postgres, mysql, sqlite or all, not {other:?}"
+                            ));
+                        }
+                    }
+                }
+                "--messages" => {
+                    options.messages = it
+                        .next()
+                        .and_then(|n| n.parse().ok())
+                        .filter(|n| *n >= 100)
+                        .ok_or("--messages takes a number of at least 100")?;
+                }
+                "--release" => options.release = true,
+                other => {
+                    return Err(format!(
+                        "unknown chaos option {other:?}; see `cargo xtask help`"
+                    ));
+                }
+            }
+        }
+        Ok(options)
+    }
+}
+
+/// Whether every database connection has been cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DbCut {
+    /// Not yet.
+    Pending,
+    /// Cut: this many sessions were ended.
+    Cut {
+        /// Sessions ended.
+        sessions: u64,
+    },
+    /// The backend has no connections to cut (SQLite is in-process).
+    NotApplicable,
+}
+
+/// The faults one run went through.
+#[derive(Debug, Clone, Copy)]
+struct Faults {
+    /// `credit` processes SIGKILLed (and restarted).
+    kills: usize,
+    /// Whether the nats-server was killed and restarted.
+    nats_restarted: bool,
+    /// The database connections.
+    db_cut: DbCut,
+}
+
+impl Faults {
+    fn all_done(&self) -> bool {
+        self.nats_restarted && self.db_cut != DbCut::Pending
+    }
+}
+
+/// What was published.
+struct Published {
+    /// Messages in all.
+    total: usize,
+    /// Distinct valid requests.
+    unique: usize,
+    /// Messages that must be dead-lettered.
+    dead_expected: usize,
 }
 
 /// What one backend's run came to.
 struct Report {
     backend: Backend,
-    published: usize,
-    unique: usize,
+    published: Published,
     applied: i64,
     skipped: u64,
-    dead_expected: usize,
     dead_actual: u64,
     lost: i64,
     twice: i64,
     /// Accounts that an overdraw created: a CHECK violation that was applied.
     overdrawn: i64,
-    kills: usize,
-    db_cut: &'static str,
+    faults: Faults,
 }
 
 impl Report {
@@ -65,76 +148,29 @@ impl Report {
         self.lost == 0
             && self.twice == 0
             && self.overdrawn == 0
-            && self.dead_actual == self.dead_expected as u64
+            && self.dead_actual == self.published.dead_expected as u64
     }
 }
 
-/// `cargo xtask chaos [--db postgres|mysql|sqlite|all] [--messages N] [--release]`.
-pub fn run(args: &[String]) -> Result<(), String> {
-    let mut backends = vec![Backend::Postgres, Backend::MySql, Backend::Sqlite];
-    let mut messages = 20_000usize;
-    let mut release = false;
-    let mut it = args.iter();
-    while let Some(arg) = it.next() {
-        match arg.as_str() {
-            "--db" => {
-                backends = match it.next().map(String::as_str) {
-                    Some("postgres") => vec![Backend::Postgres],
-                    Some("mysql") => vec![Backend::MySql],
-                    Some("sqlite") => vec![Backend::Sqlite],
-                    Some("all") => backends,
-                    other => {
-                        return Err(format!(
-                            "--db takes postgres, mysql, sqlite or all, not {other:?}"
-                        ));
-                    }
-                }
-            }
-            "--messages" => {
-                messages = it
-                    .next()
-                    .and_then(|n| n.parse().ok())
-                    .filter(|n| *n >= 100)
-                    .ok_or("--messages takes a number of at least 100")?;
-            }
-            "--release" => release = true,
-            other => {
-                return Err(format!(
-                    "unknown chaos option {other:?}; see `cargo xtask help`"
-                ));
-            }
-        }
-    }
-    let root = crate::workspace_root();
-    let mut build = vec![
-        "build",
-        "--quiet",
-        "-p",
-        "inbox-examples",
-        "--bin",
-        "credit",
-    ];
-    if release {
-        build.push("--release");
-    }
-    crate::cargo_step("building credit", &build)?;
-    let credit = root.join(if release {
-        "target/release/credit"
-    } else {
-        "target/debug/credit"
-    });
-    let logs = root.join("target/chaos");
+/// Runs chaos on each backend asked for and prints the table.
+pub async fn run(options: Options) -> Result<(), String> {
+    let credit = crate::build_credit(options.release)?;
+    let logs = crate::workspace_root().join("target/chaos");
     std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
+    sqlx::any::install_default_drivers();
 
-    let runtime = tokio::runtime::Runtime::new().map_err(|e| e.to_string())?;
     let mut reports = Vec::new();
-    for backend in backends {
-        println!("\n== chaos on {} ({messages} requests)", backend.name());
-        reports.push(runtime.block_on(chaos(backend, messages, &credit, &logs))?);
+    for &backend in &options.backends {
+        let n = options.messages;
+        println!("\n== chaos on {} ({n} requests)", backend.name());
+        reports.push(chaos(backend, n, &credit, &logs).await?);
     }
 
-    println!(
-        "\n{:<9} {:>9} {:>7} {:>8} {:>8} {:>13} {:>5} {:>6} {:>6} {:>7}",
+    let row = |cells: [&str; 10]| {
+        let [b, p, u, a, s, d, l, t, k, c] = cells;
+        println!("{b:<9} {p:>9} {u:>7} {a:>8} {s:>8} {d:>14} {l:>5} {t:>6} {k:>6} {c:>9}");
+    };
+    row([
         "backend",
         "published",
         "unique",
@@ -144,22 +180,26 @@ pub fn run(args: &[String]) -> Result<(), String> {
         "lost",
         "twice",
         "kills",
-        "db cut"
-    );
+        "db cut",
+    ]);
     for r in &reports {
-        println!(
-            "{:<9} {:>9} {:>7} {:>8} {:>8} {:>13} {:>5} {:>6} {:>6} {:>7}",
+        let db_cut = match r.faults.db_cut {
+            DbCut::Cut { sessions } => format!("yes ({sessions})"),
+            DbCut::NotApplicable => "n/a".into(),
+            DbCut::Pending => "no".into(),
+        };
+        row([
             r.backend.name(),
-            r.published,
-            r.unique,
-            r.applied,
-            r.skipped,
-            format!("{}/{}", r.dead_expected, r.dead_actual),
-            r.lost,
-            r.twice,
-            r.kills,
-            r.db_cut
-        );
+            &r.published.total.to_string(),
+            &r.published.unique.to_string(),
+            &r.applied.to_string(),
+            &r.skipped.to_string(),
+            &format!("{}/{}", r.published.dead_expected, r.dead_actual),
+            &r.lost.to_string(),
+            &r.twice.to_string(),
+            &r.faults.kills.to_string(),
+            &db_cut,
+        ]);
     }
     println!(
         "(skipped: as reported by processes that stopped cleanly; SIGKILLed ones report nothing)"
@@ -176,146 +216,40 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
 }
 
-/// The database of one run: its URL for `credit`, a pool for checking, and how to remove it.
-struct ChaosDb {
-    url: String,
-    admin_url: Option<String>,
-    name: String,
-    pool: AnyPool,
-}
-
-async fn database(backend: Backend, run: &str, logs: &Path) -> Result<ChaosDb, String> {
-    sqlx::any::install_default_drivers();
-    let name = format!("inbox_chaos_{run}");
-    let (url, admin_url) = match backend {
-        Backend::Sqlite => (
-            format!("sqlite://{}", logs.join(format!("{name}.db")).display()),
-            None,
-        ),
-        Backend::Postgres | Backend::MySql => {
-            let admin = match backend {
-                Backend::Postgres => "postgres://postgres@127.0.0.1:5432/test",
-                _ => "mysql://root@127.0.0.1:3306/test",
-            };
-            let pool = AnyPoolOptions::new()
-                .max_connections(1)
-                .connect(admin)
-                .await
-                .map_err(|e| format!("{} does not answer at {admin}: {e}", backend.name()))?;
-            sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
-                .execute(&pool)
-                .await
-                .map_err(|e| e.to_string())?;
-            pool.close().await;
-            (
-                admin.replace("/test", &format!("/{name}")),
-                Some(admin.to_owned()),
-            )
-        }
-    };
+/// One backend's run: its own nats-server and database, publish, supervise, verify.
+async fn chaos(backend: Backend, n: usize, credit: &Path, logs: &Path) -> Result<Report, String> {
+    let run = unique("");
+    let mut nats = PrivateNats::start().await?;
+    let db = Database::create(backend, "inbox_chaos_").await?;
+    // Lazy: for SQLite the file appears when the first `credit` starts.
     let pool = AnyPoolOptions::new()
         .max_connections(1)
-        .connect_lazy(&url)
+        .connect_lazy(&db.url)
         .map_err(|e| e.to_string())?;
-    Ok(ChaosDb {
-        url,
-        admin_url,
-        name,
-        pool,
-    })
-}
-
-impl ChaosDb {
-    async fn scalar(&self, sql: String) -> Option<i64> {
-        sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql).into_sql_str())
-            .fetch_one(&self.pool)
-            .await
-            .ok()
+    let config = CreditConfig {
+        binary: credit.to_owned(),
+        nats_url: nats.url.clone(),
+        database_url: db.url.clone(),
+        stream: STREAM.into(),
+        subject: SUBJECT.into(),
+        consumer: DURABLE.into(),
+        rust_log: "warn".into(),
+    };
+    let result = async {
+        let js = jetstream::new(inbox_testkit::connect(&nats.url).await?);
+        let published = publish(&js, n, &run).await?;
+        let logs = |k: usize| logs.join(format!("{}-{run}-{k}.log", backend.name()));
+        let (faults, skipped) = supervise(&config, logs, n, &mut nats, &db, &pool, &js).await?;
+        verify(backend, published, faults, skipped, &pool, &js).await
     }
-
-    /// Ends every session on the database but ours; what it did, for the table.
-    async fn cut(&self, backend: Backend) -> Result<&'static str, String> {
-        let Some(admin_url) = &self.admin_url else {
-            return Ok("n/a");
-        };
-        let admin = AnyPoolOptions::new()
-            .max_connections(1)
-            .connect(admin_url)
-            .await
-            .map_err(|e| e.to_string())?;
-        let name = &self.name;
-        if backend == Backend::Postgres {
-            let sql = format!(
-                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-                 WHERE datname = '{name}' AND pid <> pg_backend_pid()) t"
-            );
-            sqlx::query(AssertSqlSafe(sql))
-                .execute(&admin)
-                .await
-                .map_err(|e| e.to_string())?;
-        } else {
-            let sql = format!("SELECT id FROM information_schema.processlist WHERE db = '{name}'");
-            let ids: Vec<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
-                .fetch_all(&admin)
-                .await
-                .map_err(|e| e.to_string())?;
-            for id in ids {
-                let _ = sqlx::query(AssertSqlSafe(format!("KILL {id}")))
-                    .execute(&admin)
-                    .await;
-            }
-        }
-        admin.close().await;
-        Ok("yes")
-    }
-
-    async fn remove(self) {
-        self.pool.close().await;
-        if let Some(admin_url) = &self.admin_url
-            && let Ok(admin) = AnyPoolOptions::new()
-                .max_connections(1)
-                .connect(admin_url)
-                .await
-        {
-            let force = if admin_url.starts_with("postgres") {
-                " WITH (FORCE)"
-            } else {
-                ""
-            };
-            let sql = format!("DROP DATABASE IF EXISTS {}{force}", self.name);
-            let _ = sqlx::query(AssertSqlSafe(sql)).execute(&admin).await;
-            admin.close().await;
-        } else if self.admin_url.is_none() {
-            let file = self.url.trim_start_matches("sqlite://").to_owned();
-            for suffix in ["", "-wal", "-shm"] {
-                let _ = std::fs::remove_file(format!("{file}{suffix}"));
-            }
-        }
-    }
-}
-
-async fn chaos(backend: Backend, n: usize, credit: &Path, logs: &Path) -> Result<Report, String> {
-    let run = uuid::Uuid::new_v4().simple().to_string()[..8].to_owned();
-    let mut nats = PrivateNats::start(&run)?;
-    let db = database(backend, &run, logs).await?;
-    let result = chaos_on(backend, n, credit, logs, &run, &mut nats, &db).await;
-    db.remove().await;
+    .await;
+    pool.close().await;
+    db.remove().await?;
     result
 }
 
-async fn chaos_on(
-    backend: Backend,
-    n: usize,
-    credit: &Path,
-    logs: &Path,
-    run: &str,
-    nats: &mut PrivateNats,
-    db: &ChaosDb,
-) -> Result<Report, String> {
-    let client = async_nats::connect(&nats.url)
-        .await
-        .map_err(|e| e.to_string())?;
-    let js = jetstream::new(client);
+/// Creates the stream and consumer and publishes every message, awaiting every PubAck.
+async fn publish(js: &jetstream::Context, n: usize, run: &str) -> Result<Published, String> {
     let stream = js
         .create_stream(stream::Config {
             name: STREAM.into(),
@@ -338,115 +272,121 @@ async fn chaos_on(
 
     // Every valid request twice: with a msg-id (the broker's dedup window) and without (only the
     // inbox can catch it). Accounts 0..n get +1 each; overdraws go to accounts of their own.
-    let mut payloads: Vec<(Vec<u8>, Option<String>)> =
-        Vec::with_capacity(2 * n + POISON + OVERDRAWS);
+    let mut messages: Vec<Outgoing> = Vec::with_capacity(2 * n + POISON + OVERDRAWS);
     for pass in 0..2 {
         for i in 0..n {
             let id = format!("c-{run}-{i}");
             let body = serde_json::json!({ "id": id, "account": i, "amount": 1 });
-            let msg_id = (pass == 0).then(|| id.clone());
-            payloads.push((serde_json::to_vec(&body).unwrap(), msg_id));
-            if i % (n / POISON) == 0 && pass == 0 {
-                let j = i / (n / POISON);
+            let body = serde_json::to_vec(&body).expect("json");
+            messages.push(match pass {
+                0 => Outgoing::with_msg_id(body, &id),
+                _ => body.into(),
+            });
+            let j = i / (n / POISON);
+            if pass == 0 && i % (n / POISON) == 0 {
                 if j < POISON {
-                    payloads.push((b"{ not json".to_vec(), None));
+                    messages.push(b"{ not json".to_vec().into());
                 }
                 if j < OVERDRAWS {
                     let bad = serde_json::json!({ "id": format!("neg-{run}-{j}"), "account": n + j, "amount": -5 });
-                    payloads.push((serde_json::to_vec(&bad).unwrap(), None));
+                    messages.push(serde_json::to_vec(&bad).expect("json").into());
                 }
             }
         }
     }
-    let published = payloads.len();
-    println!("publishing {published} messages...");
-    for chunk in payloads.chunks(1_000) {
-        let mut acks = Vec::with_capacity(chunk.len());
-        for (body, msg_id) in chunk {
-            let mut headers = async_nats::HeaderMap::new();
-            if let Some(id) = msg_id {
-                headers.insert(async_nats::header::NATS_MESSAGE_ID, id.as_str());
-            }
-            acks.push(
-                js.publish_with_headers(SUBJECT, headers, body.clone().into())
-                    .await
-                    .map_err(|e| e.to_string())?,
-            );
-        }
-        for ack in acks {
-            ack.await.map_err(|e| e.to_string())?;
-        }
-    }
+    println!("publishing {} messages...", messages.len());
+    let total = publish_and_wait(js, SUBJECT, messages).await?;
+    Ok(Published {
+        total,
+        unique: n,
+        dead_expected: POISON + OVERDRAWS,
+    })
+}
 
-    let nats_url = nats.url.clone();
-    let spawn = |k: usize| {
-        let log = logs.join(format!("{}-{run}-{k}.log", backend.name()));
-        spawn_credit(credit, &db.url, &nats_url, &log)
-    };
-    let mut children: Vec<Child> = (0..INSTANCES).map(spawn).collect::<Result<_, _>>()?;
-    let started = Instant::now();
+/// Runs the `credit` processes through the faults until every request is applied and the
+/// consumer has drained; returns the faults and the duplicates the survivors report skipping.
+async fn supervise(
+    config: &CreditConfig,
+    log: impl Fn(usize) -> PathBuf,
+    n: usize,
+    nats: &mut PrivateNats,
+    db: &Database,
+    pool: &AnyPool,
+    js: &jetstream::Context,
+) -> Result<(Faults, u64), String> {
+    let spawn = |k: usize| CreditProcess::spawn(config, Some(&log(k)));
+    let mut children: Vec<CreditProcess> = (0..INSTANCES).map(spawn).collect::<Result<_, _>>()?;
     let deadline = Duration::from_secs(300) + Duration::from_millis(20 * n as u64);
-    let (mut kills, mut nats_restarted, mut db_cut) = (0, false, "no");
+    let mut poll = Poll::new(
+        "every request to be applied and the consumer drained",
+        deadline,
+    );
+    let mut faults = Faults {
+        kills: 0,
+        nats_restarted: false,
+        db_cut: DbCut::Pending,
+    };
     let mut last_kill = Instant::now();
-    let count_inbox = "SELECT count(*) FROM inbox WHERE consumer = 'credit'".to_owned();
+    let n = n as i64;
     loop {
-        let applied = db.scalar(count_inbox.clone()).await.unwrap_or(0);
-        let faults_done = nats_restarted && db_cut != "no";
-        if faults_done && applied >= n as i64 && drained(&js).await {
+        let applied = applied(pool).await.unwrap_or(0);
+        let drained = backlog(js, STREAM, DURABLE)
+            .await
+            .is_ok_and(|b| b.drained());
+        if faults.all_done() && applied >= n && drained {
             break;
         }
-        if started.elapsed() > deadline {
-            return Err(format!(
-                "{}: not drained within {deadline:?} ({applied} of {n} applied); logs in {}",
-                backend.name(),
-                logs.display()
-            ));
-        }
         // Every two seconds, and at least once early on, however fast the run.
-        let due =
-            last_kill.elapsed() > Duration::from_secs(2) || (kills == 0 && applied >= n as i64 / 6);
-        if due && applied < n as i64 {
+        let due = last_kill.elapsed() > KILL_EVERY || (faults.kills == 0 && applied >= n / 6);
+        if due && applied < n {
             let k = (uuid::Uuid::new_v4().as_u128() % INSTANCES as u128) as usize;
-            let _ = children[k].start_kill();
-            let _ = children[k].wait().await;
+            children[k].kill().await?;
             children[k] = spawn(k)?;
-            kills += 1;
+            faults.kills += 1;
             last_kill = Instant::now();
         }
-        if !nats_restarted && (applied >= n as i64 / 3 || applied >= n as i64) {
+        if !faults.nats_restarted && applied >= n / 3 {
             println!("  killing and restarting nats-server ({applied} applied)");
-            nats.restart()?;
-            nats_restarted = true;
+            nats.restart().await?;
+            faults.nats_restarted = true;
         }
-        if nats_restarted && db_cut == "no" && (applied >= 2 * n as i64 / 3 || applied >= n as i64)
-        {
+        if faults.nats_restarted && faults.db_cut == DbCut::Pending && applied >= 2 * n / 3 {
             println!("  cutting every database connection ({applied} applied)");
-            db_cut = db.cut(backend).await?;
+            faults.db_cut = match db.cut().await? {
+                Some(sessions) => DbCut::Cut { sessions },
+                None => DbCut::NotApplicable,
+            };
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        poll.tick()
+            .await
+            .map_err(|e| format!("{e} ({applied} of {n} applied)"))?;
     }
-
     let mut skipped = 0;
     for child in children {
-        skipped += stop(child).await?;
+        skipped += child.stop(Duration::from_secs(60)).await?.skipped;
     }
-    let applied = db.scalar(count_inbox).await.unwrap_or(-1);
-    let once = db
-        .scalar(format!(
-            "SELECT count(*) FROM accounts WHERE id < {n} AND balance = 1"
-        ))
-        .await
-        .unwrap_or(0);
-    let twice = db
-        .scalar(format!(
-            "SELECT count(*) FROM accounts WHERE id < {n} AND balance >= 2"
-        ))
-        .await
-        .unwrap_or(0);
-    let overdrawn = db
-        .scalar(format!("SELECT count(*) FROM accounts WHERE id >= {n}"))
-        .await
-        .unwrap_or(0);
+    Ok((faults, skipped))
+}
+
+/// Counts what the run came to from the database and the dead-letter stream.
+async fn verify(
+    backend: Backend,
+    published: Published,
+    faults: Faults,
+    skipped: u64,
+    pool: &AnyPool,
+    js: &jetstream::Context,
+) -> Result<Report, String> {
+    let n = published.unique;
+    let accounts = |filter: String| {
+        scalar(
+            pool,
+            format!("SELECT count(*) FROM accounts WHERE {filter}"),
+        )
+    };
+    let once = accounts(format!("id < {n} AND balance = 1")).await?;
+    let twice = accounts(format!("id < {n} AND balance >= 2")).await?;
+    let overdrawn = accounts(format!("id >= {n}")).await?;
     let dead_actual = match js.get_stream(DLQ_STREAM).await {
         Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
         Err(_) => 0,
@@ -454,75 +394,29 @@ async fn chaos_on(
     let _ = js.delete_stream(STREAM).await;
     Ok(Report {
         backend,
-        published,
-        unique: n,
-        applied,
+        applied: applied(pool).await?,
         skipped,
-        dead_expected: POISON + OVERDRAWS,
         dead_actual,
         overdrawn,
         lost: n as i64 - once - twice,
         twice,
-        kills,
-        db_cut,
+        faults,
+        published,
     })
 }
 
-async fn drained(js: &jetstream::Context) -> bool {
-    let Ok(stream) = js.get_stream(STREAM).await else {
-        return false;
-    };
-    let Ok(mut consumer) = stream.get_consumer::<pull::Config>(DURABLE).await else {
-        return false;
-    };
-    consumer
-        .info()
-        .await
-        .is_ok_and(|i| i.num_pending == 0 && i.num_ack_pending == 0)
+/// Markers of `credit`'s requests.
+async fn applied(pool: &AnyPool) -> Result<i64, String> {
+    scalar(
+        pool,
+        "SELECT count(*) FROM inbox WHERE consumer = 'credit'".into(),
+    )
+    .await
 }
 
-fn spawn_credit(credit: &Path, db: &str, nats: &str, log: &PathBuf) -> Result<Child, String> {
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .map_err(|e| e.to_string())?;
-    Command::new(credit)
-        .env("DATABASE_URL", db)
-        .env("NATS_URL", nats)
-        .env("CREDIT_STREAM", STREAM)
-        .env("CREDIT_SUBJECT", SUBJECT)
-        .env("CREDIT_CONSUMER", DURABLE)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| format!("cannot start {}: {e}", credit.display()))
-}
-
-/// SIGTERMs `child` and returns the `skipped=` count it reports.
-async fn stop(mut child: Child) -> Result<u64, String> {
-    use tokio::io::AsyncReadExt;
-    if let Some(pid) = child.id() {
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status();
-    }
-    let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+async fn scalar(pool: &AnyPool, sql: String) -> Result<i64, String> {
+    sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql.clone()).into_sql_str())
+        .fetch_one(pool)
         .await
-        .map_err(|_| "credit did not stop within 60 s of SIGTERM".to_string())?
-        .map_err(|e| e.to_string())?;
-    if !status.success() {
-        return Err(format!("credit exited with {status}"));
-    }
-    let mut out = String::new();
-    if let Some(mut stdout) = child.stdout.take() {
-        let _ = stdout.read_to_string(&mut out).await;
-    }
-    Ok(out
-        .split_whitespace()
-        .find_map(|w| w.strip_prefix("skipped="))
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0))
+        .map_err(|e| format!("{sql}: {e}"))
 }

@@ -2,9 +2,9 @@
 
 mod chaos;
 mod demo;
-mod nats;
 mod services;
 
+use inbox_testkit::Backend;
 use std::process::ExitCode;
 
 const HELP: &str = "\
@@ -18,16 +18,32 @@ tasks:
           exactly once under faults: three `credit` processes, one SIGKILLed every 2 s, the
           nats-server restarted once, every database connection cut once; prints a table and
           fails if anything was lost, applied twice, or not dead-lettered
-  test    make sure NATS, PostgreSQL and MariaDB answer (starting them if they are down), check
-          formatting and clippy, run every test in the workspace, then a short chaos run
+  test    what CI runs: make sure NATS, PostgreSQL and MariaDB answer (starting them if they are
+          down), check formatting and clippy, run every test in the workspace, then a short
+          chaos run on every backend
+  test [--db postgres|mysql|sqlite] [-- FILTER...]
+          only some tests, nothing else (no formatting, clippy or chaos): those of one backend
+          (tests named `<backend>::..`), and/or those whose name contains a FILTER; with --db,
+          a FILTER is the start of the test's name after the backend. Examples:
+            cargo xtask test --db sqlite
+            cargo xtask test -- held_race
+            cargo xtask test --db postgres -- held_race_commit
 ";
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("xtask: no tokio runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let result = match args.first().map(String::as_str) {
-        Some("demo") => demo::run(),
-        Some("chaos") => chaos::run(&args[1..]),
-        Some("test") => test(&args[1..]),
+        Some("demo") => runtime.block_on(demo::run()),
+        Some("chaos") => chaos::Options::parse(&args[1..])
+            .and_then(|options| runtime.block_on(chaos::run(options))),
+        Some("test") => runtime.block_on(test(&args[1..])),
         Some("help" | "-h" | "--help") | None => {
             print!("{HELP}");
             return ExitCode::SUCCESS;
@@ -43,9 +59,43 @@ fn main() -> ExitCode {
     }
 }
 
-/// `cargo xtask test [extra cargo test args]`: services, formatting, lints, then every test.
-fn test(extra: &[String]) -> Result<(), String> {
-    services::ensure(&[services::POSTGRES, services::MARIADB, services::NATS])?;
+/// `cargo xtask test [--db X] [-- FILTER...]`: with neither, services, formatting, lints, every
+/// test, a short chaos run; with either, services and the selected tests only.
+async fn test(args: &[String]) -> Result<(), String> {
+    let (options, filters) = match args.iter().position(|a| a == "--") {
+        Some(at) => (&args[..at], &args[at + 1..]),
+        None => (args, &[][..]),
+    };
+    let db = match options {
+        [] => None,
+        [flag, word] if flag == "--db" => Some(
+            Backend::parse(word)
+                .ok_or_else(|| format!("--db takes postgres, mysql or sqlite, not {word:?}"))?,
+        ),
+        other => {
+            return Err(format!(
+                "unknown test options {other:?}; see `cargo xtask help`"
+            ));
+        }
+    };
+    if db.is_none() && filters.is_empty() {
+        return everything().await;
+    }
+    let backends = db.map_or(Backend::ALL.to_vec(), |b| vec![b]);
+    services::ensure(&services::needed(&backends)).await?;
+    let filters: Vec<String> = match (db, filters) {
+        (Some(b), []) => vec![format!("{}::", b.name())],
+        (Some(b), f) => f.iter().map(|f| format!("{}::{f}", b.name())).collect(),
+        (None, f) => f.to_vec(),
+    };
+    let mut args = vec!["test", "--workspace", "--"];
+    args.extend(filters.iter().map(String::as_str));
+    cargo_step("tests", &args)
+}
+
+/// What CI runs: services, formatting, lints, every test, then a short chaos run.
+async fn everything() -> Result<(), String> {
+    services::ensure(&services::needed(&Backend::ALL)).await?;
     cargo_step("formatting", &["fmt", "--all", "--", "--check"])?;
     cargo_step(
         "clippy",
@@ -59,16 +109,8 @@ fn test(extra: &[String]) -> Result<(), String> {
             "warnings",
         ],
     )?;
-    let mut args = vec!["test", "--workspace"];
-    args.extend(extra.iter().map(String::as_str));
-    cargo_step("tests", &args)?;
-    // The chaos run's shorter variant, on every backend.
-    chaos::run(&[
-        "--db".into(),
-        "all".into(),
-        "--messages".into(),
-        "2000".into(),
-    ])
+    cargo_step("tests", &["test", "--workspace"])?;
+    chaos::run(chaos::Options::short()).await
 }
 
 /// The workspace's root directory.
@@ -84,6 +126,7 @@ fn cargo_step(what: &str, args: &[&str]) -> Result<(), String> {
     eprintln!("xtask: cargo {}", args.join(" "));
     let status = std::process::Command::new(cargo())
         .args(args)
+        .current_dir(workspace_root())
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
     if status.success() {
@@ -96,4 +139,22 @@ fn cargo_step(what: &str, args: &[&str]) -> Result<(), String> {
 /// The cargo that runs us.
 fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+/// Builds the `credit` binary (release or debug) and returns its path.
+fn build_credit(release: bool) -> Result<std::path::PathBuf, String> {
+    let mut build = vec![
+        "build",
+        "--quiet",
+        "-p",
+        "inbox-examples",
+        "--bin",
+        "credit",
+    ];
+    if release {
+        build.push("--release");
+    }
+    cargo_step("building credit", &build)?;
+    let profile = if release { "release" } else { "debug" };
+    Ok(workspace_root().join("target").join(profile).join("credit"))
 }

@@ -1,9 +1,10 @@
-//! The local services the tests need: checked, and restarted with the machine's own commands
-//! (see DEVELOPERS.md) when they do not answer.
+//! The local services the tests need: checked, and started with the machine's own commands
+//! (see CONTRIBUTING.md) when they do not answer.
 
-use std::net::{SocketAddr, TcpStream};
+use inbox_testkit::{Backend, wait_until};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::net::TcpStream;
 
 /// A service the tests talk to.
 pub struct Service {
@@ -34,17 +35,32 @@ pub const NATS: Service = Service {
             -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log",
 };
 
-/// Whether something accepts TCP connections at `addr`.
-pub fn answers(addr: &str) -> bool {
-    let addr: SocketAddr = addr.parse().expect("a socket address");
-    TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+/// The services the tests of `backends` need: NATS, and the server of each backend that has one.
+pub fn needed(backends: &[Backend]) -> Vec<Service> {
+    let mut services = vec![NATS];
+    for b in backends {
+        match b {
+            Backend::Postgres => services.push(POSTGRES),
+            Backend::MySql => services.push(MARIADB),
+            Backend::Sqlite => {}
+        }
+    }
+    services
+}
+
+/// Whether something accepts TCP connections at `addr` (`host:port`) within a second.
+pub async fn answers(addr: &str) -> bool {
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), TcpStream::connect(addr)).await,
+        Ok(Ok(_))
+    )
 }
 
 /// Makes sure every service answers, starting those that do not; fails naming the service that
 /// still does not answer after 60 s.
-pub fn ensure(services: &[Service]) -> Result<(), String> {
+pub async fn ensure(services: &[Service]) -> Result<(), String> {
     for s in services {
-        if answers(s.addr) {
+        if answers(s.addr).await {
             continue;
         }
         eprintln!(
@@ -58,16 +74,11 @@ pub fn ensure(services: &[Service]) -> Result<(), String> {
         if !status.success() {
             eprintln!("xtask: `{}` exited with {status}", s.start);
         }
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !answers(s.addr) {
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "{} does not answer at {} even after `{}`",
-                    s.name, s.addr, s.start
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let what = format!("{} to answer at {} after `{}`", s.name, s.addr, s.start);
+        wait_until(&what, Duration::from_secs(60), async || {
+            answers(s.addr).await
+        })
+        .await?;
         eprintln!("xtask: {} is up", s.name);
     }
     Ok(())

@@ -4,21 +4,18 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
-use crate::{NatsStream, Running, wait_until};
+use crate::{NatsStream, Running};
 use inbox_runtime::ProcessError;
+use inbox_testkit::wait_until;
 use sqlx::error::ErrorKind;
 use std::time::Duration;
 
 fn overdraw() -> Entry {
-    Entry {
-        key: "k".into(),
-        account: 7,
-        amount: -5,
-    }
+    Entry::new("k", 7, -5)
 }
 
 /// Without NATS: the error surfaces, nothing remains.
-pub async fn check_violation_rolls_back_the_marker<B: TestBackend>() {
+async fn check_violation_rolls_back_the_marker<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let err = inbox
         .process(&B::Credit::default(), &(), overdraw(), None)
@@ -41,7 +38,7 @@ pub async fn check_violation_rolls_back_the_marker<B: TestBackend>() {
 
 /// Through JetStream: never acked; an integrity violation is permanent, so the message is
 /// dead-lettered (with the reason) and only then terminated.
-pub async fn check_violation_is_dead_lettered_not_acked<B: TestBackend>() {
+async fn check_violation_is_dead_lettered_not_acked<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
@@ -55,7 +52,8 @@ pub async fn check_violation_is_dead_lettered_not_acked<B: TestBackend>() {
     wait_until("the dead letter", Duration::from_secs(30), || async {
         worker.stats().terminated == 1
     })
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     let stats = run.stop().await;
     assert_eq!(
@@ -79,3 +77,8 @@ pub async fn check_violation_is_dead_lettered_not_acked<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
     assert_eq!(B::count(&db, "SELECT count(*) FROM accounts").await, 0);
 }
+
+super::behaviours!(
+    check_violation_rolls_back_the_marker,
+    check_violation_is_dead_lettered_not_acked
+);

@@ -4,22 +4,16 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, Running, wait_until};
+use crate::{NatsStream, Running};
+use inbox_testkit::wait_until;
 use std::time::Duration;
 
 /// The test.
-pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
+async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let entry = |key: String| {
-        Entry {
-            key,
-            account: 1,
-            amount: 1,
-        }
-        .json()
-    };
+    let entry = |key: String| Entry::new(key, 1, 1).json();
     // (payload, what the dead letter's reason must say)
     let bad: Vec<(Vec<u8>, &str)> = vec![
         (b"{not json".to_vec(), "does not decode"),
@@ -59,7 +53,8 @@ pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
             s.acked == 6 && s.terminated == bad.len() as u64
         },
     )
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     let stats = run.stop().await;
     assert_eq!(stats.nacked, 0);
@@ -89,3 +84,5 @@ pub async fn bad_input_is_dead_lettered_and_does_not_block<B: TestBackend>() {
         assert_eq!(headers.get("Inbox-Stream").unwrap().as_str(), nats.stream);
     }
 }
+
+super::behaviours!(bad_input_is_dead_lettered_and_does_not_block);

@@ -7,13 +7,9 @@ use crate::handlers::Entry;
 use inbox_runtime::{ErrorClass, Outcome, ProcessError, classify};
 
 /// The test.
-pub async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() {
+async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
-    let first = Entry {
-        key: "k1".into(),
-        account: 42,
-        amount: 1,
-    };
+    let first = Entry::new("k1", 42, 1);
     let same_reference = Entry {
         key: "k2".into(),
         ..first.clone()
@@ -42,3 +38,5 @@ pub async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() 
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
     assert_eq!(B::count(&db, "SELECT count(*) FROM payments").await, 1);
 }
+
+super::behaviours!(business_unique_violation_is_an_error_not_a_skip);

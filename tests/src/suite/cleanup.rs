@@ -4,18 +4,14 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
-use inbox_runtime::{InboxBackend, Outcome};
+use inbox_runtime::Outcome;
 use std::time::Duration;
 
 /// Old finished markers go; recent ones and open claims stay.
-pub async fn cleanup_deletes_only_old_finished_markers<B: TestBackend>() {
+async fn cleanup_deletes_only_old_finished_markers<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     for key in ["old-1", "old-2", "old-3", "new-1", "new-2"] {
-        let entry = Entry {
-            key: key.into(),
-            account: 1,
-            amount: 1,
-        };
+        let entry = Entry::new(key, 1, 1);
         let outcome = inbox.process(&B::Credit::default(), &(), entry, None).await;
         assert_eq!(outcome.unwrap(), Outcome::Ack);
     }
@@ -54,41 +50,45 @@ pub async fn cleanup_deletes_only_old_finished_markers<B: TestBackend>() {
 
 /// While one instance holds the cleanup lock, another's cleanup does nothing (on backends with
 /// more than one writer; SQLite's single writer serialises them anyway).
-pub async fn cleanup_runs_one_instance_at_a_time<B: TestBackend>() {
+async fn cleanup_runs_one_instance_at_a_time<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
-    let entry = Entry {
-        key: "old".into(),
-        account: 1,
-        amount: 1,
-    };
+    let entry = Entry::new("old", 1, 1);
     inbox
         .process(&B::Credit::default(), &(), entry, None)
         .await
         .unwrap();
     B::backdate(&db, "old").await;
 
-    let mut holder = db.pool.acquire().await.unwrap();
+    // Held on a connection of its own, as another instance's cleanup would hold it.
     let lock = "inbox-cleanup:inbox:credit";
-    assert!(B::Db::try_cleanup_lock(&mut holder, lock).await.unwrap());
+    let holder = B::hold_cleanup_lock(&db, lock).await;
     let while_held = inbox
         .cleanup("credit", Duration::from_secs(3600), 10)
         .await
         .unwrap();
-    if B::SINGLE_WRITER {
-        assert_eq!(while_held, Some(1));
-    } else {
-        assert_eq!(
-            while_held, None,
-            "a second instance cleaned up concurrently"
-        );
-        assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
-        B::Db::cleanup_unlock(&mut holder, lock).await.unwrap();
-        drop(holder);
-        let after = inbox
-            .cleanup("credit", Duration::from_secs(3600), 10)
-            .await
-            .unwrap();
-        assert_eq!(after, Some(1));
+    match holder {
+        None => {
+            assert!(B::SINGLE_WRITER, "only a single-writer backend has no lock");
+            assert_eq!(while_held, Some(1));
+        }
+        Some(holder) => {
+            assert_eq!(
+                while_held, None,
+                "a second instance cleaned up concurrently"
+            );
+            assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
+            B::release_cleanup_lock(holder, lock).await;
+            let after = inbox
+                .cleanup("credit", Duration::from_secs(3600), 10)
+                .await
+                .unwrap();
+            assert_eq!(after, Some(1));
+        }
     }
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
 }
+
+super::behaviours!(
+    cleanup_deletes_only_old_finished_markers,
+    cleanup_runs_one_instance_at_a_time
+);

@@ -5,24 +5,19 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
-use crate::{NatsStream, Running, wait_until};
+use crate::{NatsStream, Running};
 use futures::StreamExt;
 use inbox_runtime::{Outcome, process_delivery};
+use inbox_testkit::wait_until;
 use std::time::Duration;
 
 /// The test.
-pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
+async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     // A short ack_wait, so that the unacked delivery comes back quickly.
     let consumer = nats.consumer("c", Duration::from_secs(1)).await;
-    nats.publish_all([Entry {
-        key: "k".into(),
-        account: 1,
-        amount: 10,
-    }
-    .json()])
-        .await;
+    nats.publish_all([Entry::new("k", 1, 10).json()]).await;
     let handler = B::LedgerByTransportId::default();
 
     // The first instance commits and never acks.
@@ -44,7 +39,8 @@ pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() 
         Duration::from_secs(60),
         || async { worker.stats().skipped == 1 },
     )
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     let stats = run.stop().await;
     assert_eq!(stats.acked, 0);
@@ -56,3 +52,5 @@ pub async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() 
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }
+
+super::behaviours!(committed_but_not_acked_is_skipped_on_redelivery);

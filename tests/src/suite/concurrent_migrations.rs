@@ -6,7 +6,7 @@ use crate::backends::TestBackend;
 use inbox_runtime::{Inbox, Outcome};
 
 /// The test.
-pub async fn instances_migrating_together_all_succeed<B: TestBackend>() {
+async fn instances_migrating_together_all_succeed<B: TestBackend>() {
     let db = B::create(1).await;
     let mut starts = Vec::new();
     for _ in 0..4 {
@@ -17,14 +17,12 @@ pub async fn instances_migrating_together_all_succeed<B: TestBackend>() {
         start.await.unwrap().expect("a racing migration failed");
     }
     let inbox = Inbox::new(db.pool.clone());
-    let entry = crate::handlers::Entry {
-        key: "k".into(),
-        account: 1,
-        amount: 1,
-    };
+    let entry = crate::handlers::Entry::new("k", 1, 1);
     let outcome = inbox
         .process(&B::Credit::default(), &(), entry, None)
         .await
         .unwrap();
     assert_eq!(outcome, Outcome::Ack);
 }
+
+super::behaviours!(instances_migrating_together_all_succeed);

@@ -4,48 +4,57 @@
 //! leaves the message with JetStream.
 
 use super::setup;
-use crate::backends::TestBackend;
+use crate::backends::{TestBackend, TestDb};
 use crate::handlers::{Entry, Failure, Probe};
-use crate::{MAX_DELIVER, NatsStream, Running, wait_until};
+use crate::{MAX_DELIVER, NatsStream, Running};
 use inbox_runtime::{Stats, WorkerBuilder};
+use inbox_testkit::wait_until;
 use std::time::Duration;
 
-/// Runs `builder`'s worker with `probe` on one published message until `done` holds.
+/// A fresh database and stream with one message, consumed by a worker (`configure`d) whose
+/// handler fails as `probe` says, until `done` holds; returns what the worker did.
 async fn run_one<B: TestBackend>(
-    nats: &NatsStream,
-    builder: WorkerBuilder<B::Db>,
     probe: Probe,
+    configure: impl FnOnce(&NatsStream, WorkerBuilder<B::Db>) -> WorkerBuilder<B::Db>,
     done: impl Fn(Stats) -> bool,
-) -> Stats {
-    nats.publish_all([Entry {
-        key: "k".into(),
-        account: 1,
-        amount: 1,
-    }
-    .json()])
-        .await;
-    let worker = builder
+) -> (TestDb<B::Db>, NatsStream, Stats) {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
+    let worker = configure(&nats, nats.worker(inbox, consumer))
         .nak_delay(Duration::from_millis(10), Duration::from_millis(10))
         .build_with_state(B::Ledger::default(), probe)
         .unwrap();
     let run = Running::start(&worker);
-    wait_until("the expected outcome", Duration::from_secs(60), || async {
-        done(worker.stats())
-    })
-    .await;
-    run.stop().await
+    wait_until(
+        "the expected outcome",
+        Duration::from_secs(60),
+        async || done(worker.stats()),
+    )
+    .await
+    .unwrap();
+    let stats = run.stop().await;
+    (db, nats, stats)
+}
+
+/// A handler failing every time with `failure`: waits for its one dead letter and returns its
+/// headers.
+async fn dead_lettered<B: TestBackend>(
+    failure: Failure,
+) -> (TestDb<B::Db>, Stats, async_nats::HeaderMap) {
+    let probe = Probe::failing(usize::MAX, failure);
+    let (db, nats, stats) = run_one::<B>(probe, |_, b| b, |s| s.terminated == 1).await;
+    nats.wait_drained("c").await;
+    let mut letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    (db, stats, letters.remove(0).1)
 }
 
 /// Transient: retried at once, in the same delivery.
-pub async fn transient_failure_is_retried_in_process<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
-    let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let builder = nats.worker(inbox, consumer).attempts(3);
-    let stats = run_one::<B>(&nats, builder, Probe::failing(2, Failure::Transient), |s| {
-        s.acked == 1
-    })
-    .await;
+async fn transient_failure_is_retried_in_process<B: TestBackend>() {
+    let probe = Probe::failing(2, Failure::Transient);
+    let (db, nats, stats) = run_one::<B>(probe, |_, b| b.attempts(3), |s| s.acked == 1).await;
     nats.wait_drained("c").await;
     assert_eq!(stats.nacked, 0, "{stats:?}");
     assert_eq!(
@@ -59,45 +68,18 @@ pub async fn transient_failure_is_retried_in_process<B: TestBackend>() {
 }
 
 /// Permanent: dead-lettered at once.
-pub async fn permanent_failure_is_dead_lettered_at_once<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
-    let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let builder = nats.worker(inbox, consumer);
-    let stats = run_one::<B>(
-        &nats,
-        builder,
-        Probe::failing(usize::MAX, Failure::Permanent),
-        |s| s.terminated == 1,
-    )
-    .await;
-    nats.wait_drained("c").await;
+async fn permanent_failure_is_dead_lettered_at_once<B: TestBackend>() {
+    let (db, stats, headers) = dead_lettered::<B>(Failure::Permanent).await;
     assert_eq!(stats.nacked, 0, "{stats:?}");
-    let letters = nats.dead_letters().await;
-    assert_eq!(letters.len(), 1);
-    let reason = letters[0].1.get("Inbox-Error").unwrap().as_str().to_owned();
+    let reason = headers.get("Inbox-Error").unwrap().as_str().to_owned();
     assert!(reason.contains("handler failed"), "{reason}");
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
 }
 
 /// Unrecognised: redelivered until max_deliver, then dead-lettered.
-pub async fn failure_is_dead_lettered_at_max_deliver<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
-    let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let builder = nats.worker(inbox, consumer);
-    let stats = run_one::<B>(
-        &nats,
-        builder,
-        Probe::failing(usize::MAX, Failure::Plain),
-        |s| s.terminated == 1,
-    )
-    .await;
-    nats.wait_drained("c").await;
+async fn failure_is_dead_lettered_at_max_deliver<B: TestBackend>() {
+    let (db, stats, headers) = dead_lettered::<B>(Failure::Plain).await;
     assert_eq!(stats.nacked, MAX_DELIVER as u64 - 1, "{stats:?}");
-    let letters = nats.dead_letters().await;
-    assert_eq!(letters.len(), 1);
-    let headers = &letters[0].1;
     assert_eq!(
         headers.get("Inbox-Delivered").unwrap().as_str(),
         MAX_DELIVER.to_string()
@@ -108,23 +90,15 @@ pub async fn failure_is_dead_lettered_at_max_deliver<B: TestBackend>() {
 }
 
 /// A dead letter that cannot be stored: the original is nak'd, never termed.
-pub async fn unstorable_dead_letter_leaves_the_message<B: TestBackend>() {
-    let (_db, inbox) = setup::<B>(4).await;
-    let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+async fn unstorable_dead_letter_leaves_the_message<B: TestBackend>() {
     // The "dead-letter stream" is the main stream, which does not hold the dead-letter subject:
     // the publish finds no stream and fails.
-    let builder = WorkerBuilder::new(inbox, consumer).dead_letters(
-        nats.stream.clone(),
-        format!("nowhere.{}", nats.stream.to_lowercase()),
-    );
-    let stats = run_one::<B>(
-        &nats,
-        builder,
-        Probe::failing(usize::MAX, Failure::Permanent),
-        |s| s.nacked >= 2,
-    )
-    .await;
+    let nowhere = |nats: &NatsStream, builder: WorkerBuilder<B::Db>| {
+        let subject = format!("nowhere.{}", nats.stream.to_lowercase());
+        builder.dead_letters(nats.stream.clone(), subject)
+    };
+    let probe = Probe::failing(usize::MAX, Failure::Permanent);
+    let (_db, nats, stats) = run_one::<B>(probe, nowhere, |s| s.nacked >= 2).await;
     assert_eq!(stats.terminated, 0, "{stats:?}");
     let info = nats.info("c").await;
     assert_eq!(
@@ -133,3 +107,10 @@ pub async fn unstorable_dead_letter_leaves_the_message<B: TestBackend>() {
     );
     assert_eq!(info.num_pending + info.num_ack_pending as u64, 1);
 }
+
+super::behaviours!(
+    transient_failure_is_retried_in_process,
+    permanent_failure_is_dead_lettered_at_once,
+    failure_is_dead_lettered_at_max_deliver,
+    unstorable_dead_letter_leaves_the_message,
+);

@@ -4,23 +4,17 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, Running, wait_until};
+use crate::{NatsStream, Running};
+use inbox_testkit::wait_until;
 use std::time::Duration;
 
 /// The test.
-pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
+async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let nats = NatsStream::create().await;
     nats.consumer("c", Duration::from_secs(30)).await;
     let entries: Vec<Vec<u8>> = (0..5)
-        .map(|i| {
-            Entry {
-                key: format!("m-{i}"),
-                account: 1,
-                amount: 1,
-            }
-            .json()
-        })
+        .map(|i| Entry::new(format!("m-{i}"), 1, 1).json())
         .collect();
     nats.publish_all(entries).await;
 
@@ -34,7 +28,8 @@ pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     wait_until("a message in flight", Duration::from_secs(30), || async {
         nats.info("c").await.num_ack_pending == 1
     })
-    .await;
+    .await
+    .unwrap();
     run.cancel();
     assert!(
         !run.is_finished(),
@@ -60,3 +55,5 @@ pub async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 5);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 5);
 }
+
+super::behaviours!(shutdown_finishes_in_flight_and_leaves_the_rest);

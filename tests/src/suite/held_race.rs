@@ -26,13 +26,9 @@ pub struct HeldRace<B: TestBackend> {
 
 /// Starts A (which fails after the gate when `a_fails`), then B, and returns once B is seen
 /// blocked behind A's uncommitted claim (not merely not yet started).
-pub async fn start<B: TestBackend>(a_fails: bool) -> HeldRace<B> {
+pub(super) async fn start<B: TestBackend>(a_fails: bool) -> HeldRace<B> {
     let (db, inbox) = setup::<B>(4).await;
-    let entry = Entry {
-        key: "k".into(),
-        account: 1,
-        amount: 10,
-    };
+    let entry = Entry::new("k", 1, 10);
     let process = |probe: Arc<Probe>| {
         let (inbox, entry) = (inbox.clone(), entry.clone());
         tokio::spawn(async move {
@@ -53,7 +49,8 @@ pub async fn start<B: TestBackend>(a_fails: bool) -> HeldRace<B> {
     wait_until("B to wait behind A", Duration::from_secs(30), || async {
         B::waiting_writers(&db).await == 1
     })
-    .await;
+    .await
+    .unwrap();
     assert!(!b.is_finished(), "B finished while A still held the key");
     assert_eq!(probe_b.runs(), 0, "B ran while A held the key");
     HeldRace {

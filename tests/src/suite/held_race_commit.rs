@@ -6,7 +6,7 @@ use crate::backends::TestBackend;
 use inbox_runtime::Outcome;
 
 /// The test.
-pub async fn held_race_commit_makes_the_twin_skip<B: TestBackend>() {
+async fn held_race_commit_makes_the_twin_skip<B: TestBackend>() {
     let race = held_race::start::<B>(false).await;
     race.probe_a.release();
     assert_eq!(race.a.await.unwrap().unwrap(), Outcome::Ack);
@@ -19,3 +19,5 @@ pub async fn held_race_commit_makes_the_twin_skip<B: TestBackend>() {
     assert_eq!(B::count(&race.db, "SELECT count(*) FROM ledger").await, 1);
     assert_eq!(B::count(&race.db, "SELECT count(*) FROM inbox").await, 1);
 }
+
+super::behaviours!(held_race_commit_makes_the_twin_skip);

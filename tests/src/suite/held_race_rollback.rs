@@ -6,7 +6,7 @@ use crate::backends::TestBackend;
 use inbox_runtime::{Outcome, ProcessError};
 
 /// The test.
-pub async fn held_race_rollback_lets_the_twin_apply<B: TestBackend>() {
+async fn held_race_rollback_lets_the_twin_apply<B: TestBackend>() {
     let race = held_race::start::<B>(true).await;
     race.probe_a.release();
     let a = race.a.await.unwrap();
@@ -16,3 +16,5 @@ pub async fn held_race_rollback_lets_the_twin_apply<B: TestBackend>() {
     assert_eq!(B::count(&race.db, "SELECT count(*) FROM ledger").await, 1);
     assert_eq!(B::count(&race.db, "SELECT count(*) FROM inbox").await, 1);
 }
+
+super::behaviours!(held_race_rollback_lets_the_twin_apply);

@@ -6,15 +6,11 @@ use crate::handlers::{Entry, Probe};
 use inbox_runtime::{ErrorClass, KeyError, Outcome, ProcessError, classify};
 
 /// The test.
-pub async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
+async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let probe = Probe::open();
     let ledger = B::Ledger::default();
-    let entry = |key: String| Entry {
-        key,
-        account: 1,
-        amount: 1,
-    };
+    let entry = |key: String| Entry::new(key, 1, 1);
 
     let err = inbox
         .process(&ledger, &probe, entry(String::new()), None)
@@ -57,3 +53,5 @@ pub async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     assert_eq!(probe.runs(), 1);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }
+
+super::behaviours!(empty_long_and_missing_keys_are_rejected);

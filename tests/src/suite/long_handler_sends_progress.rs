@@ -4,22 +4,17 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, Running, wait_until};
+use crate::{NatsStream, Running};
+use inbox_testkit::wait_until;
 use std::time::{Duration, Instant};
 
 /// The test.
-pub async fn long_handler_is_not_redelivered<B: TestBackend>() {
+async fn long_handler_is_not_redelivered<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let ack_wait = Duration::from_secs(1);
     let consumer = nats.consumer("c", ack_wait).await;
-    nats.publish_all([Entry {
-        key: "slow".into(),
-        account: 1,
-        amount: 1,
-    }
-    .json()])
-        .await;
+    nats.publish_all([Entry::new("slow", 1, 1).json()]).await;
     // Room for a redelivery to start, were one sent.
     let worker = nats
         .worker(inbox, consumer)
@@ -35,7 +30,8 @@ pub async fn long_handler_is_not_redelivered<B: TestBackend>() {
         Duration::from_secs(30),
         || async { held_since.elapsed() > ack_wait * 4 },
     )
-    .await;
+    .await
+    .unwrap();
     let info = nats.info("c").await;
     assert_eq!(
         info.delivered.consumer_sequence, 1,
@@ -51,10 +47,13 @@ pub async fn long_handler_is_not_redelivered<B: TestBackend>() {
     wait_until("the ack", Duration::from_secs(30), || async {
         worker.stats().acked == 1
     })
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     run.stop().await;
     assert_eq!(worker.state().runs(), 1);
     assert_eq!(nats.info("c").await.delivered.consumer_sequence, 1);
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
 }
+
+super::behaviours!(long_handler_is_not_redelivered);

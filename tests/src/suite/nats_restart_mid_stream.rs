@@ -4,25 +4,22 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, PrivateNats, Running, wait_until};
+use crate::{NatsStream, Running};
+use inbox_testkit::{PrivateNats, wait_until};
 use std::time::Duration;
 
 const UNIQUE: usize = 400;
 
 /// The test.
-pub async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
+async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
     let (db, _) = setup::<B>(4).await;
-    let mut server = PrivateNats::start();
+    let mut server = PrivateNats::start().await.unwrap();
     let nats = NatsStream::create_at(&server.url).await;
     // A short ack_wait: acks lost in the outage come back soon, and are skipped.
     nats.consumer("c", Duration::from_secs(2)).await;
     let entries: Vec<Vec<u8>> = (0..UNIQUE)
         .flat_map(|i| {
-            let e = Entry {
-                key: format!("m-{i}"),
-                account: 1,
-                amount: 1,
-            };
+            let e = Entry::new(format!("m-{i}"), 1, 1);
             [e.json(), e.json()]
         })
         .collect();
@@ -37,24 +34,27 @@ pub async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
     wait_until("some progress", Duration::from_secs(60), || async {
         B::count(&db, "SELECT count(*) FROM inbox").await >= 50
     })
-    .await;
+    .await
+    .unwrap();
     server.kill();
     wait_until("the client to notice", Duration::from_secs(30), || async {
         nats.client.connection_state() != async_nats::connection::State::Connected
     })
-    .await;
+    .await
+    .unwrap();
     assert!(
         B::count(&db, "SELECT count(*) FROM inbox").await < UNIQUE as i64,
         "the stream was done before the outage"
     );
-    server.restart();
+    server.restart().await.unwrap();
 
     wait_until(
         "every message to be applied",
         Duration::from_secs(120),
         || async { B::count(&db, "SELECT count(*) FROM inbox").await == UNIQUE as i64 },
     )
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     run.stop().await;
     assert_eq!(
@@ -66,3 +66,5 @@ pub async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
         UNIQUE as i64
     );
 }
+
+super::behaviours!(nats_restart_mid_stream_keeps_exactly_once);

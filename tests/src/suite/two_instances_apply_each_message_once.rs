@@ -5,14 +5,15 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
-use crate::{NatsStream, Running, wait_until};
+use crate::{NatsStream, Running};
 use inbox_runtime::Inbox;
+use inbox_testkit::wait_until;
 use std::time::Duration;
 
 const UNIQUE: usize = 1_000;
 
 /// The test.
-pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
+async fn two_instances_apply_each_message_once<B: TestBackend>() {
     let (db, _) = setup::<B>(2).await;
     let nats = NatsStream::create().await;
     nats.consumer("c", Duration::from_secs(30)).await;
@@ -20,11 +21,7 @@ pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
     // Each message twice, the copy right behind the original, as a producer retry would send it:
     // the twins often land on different instances at the same time.
     let entries: Vec<Entry> = (0..UNIQUE)
-        .map(|i| Entry {
-            key: format!("m-{i}"),
-            account: (i % 10) as i64,
-            amount: 1,
-        })
+        .map(|i| Entry::new(format!("m-{i}"), (i % 10) as i64, 1))
         .collect();
     nats.publish_all(entries.iter().flat_map(|e| [e.json(), e.json()]))
         .await;
@@ -51,7 +48,8 @@ pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
             done >= 2 * UNIQUE as u64
         },
     )
-    .await;
+    .await
+    .unwrap();
     nats.wait_drained("c").await;
     let mut acked = 0;
     let mut skipped = 0;
@@ -74,3 +72,5 @@ pub async fn two_instances_apply_each_message_once<B: TestBackend>() {
     let info = nats.info("c").await;
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
 }
+
+super::behaviours!(two_instances_apply_each_message_once);

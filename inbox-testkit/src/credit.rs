@@ -1,0 +1,168 @@
+//! The `credit` example binary as a child process: spawned with its environment, stopped with
+//! SIGTERM (and its summary line read) or killed with SIGKILL.
+
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, Command};
+
+/// Where and how to run `credit`: its binary and the environment it reads.
+#[derive(Debug, Clone)]
+pub struct CreditConfig {
+    /// The `credit` binary (`env!("CARGO_BIN_EXE_credit")` in the example's tests).
+    pub binary: PathBuf,
+    /// `NATS_URL`.
+    pub nats_url: String,
+    /// `DATABASE_URL`.
+    pub database_url: String,
+    /// `CREDIT_STREAM`.
+    pub stream: String,
+    /// `CREDIT_SUBJECT`.
+    pub subject: String,
+    /// `CREDIT_CONSUMER`: the durable consumer's name.
+    pub consumer: String,
+    /// `RUST_LOG`.
+    pub rust_log: String,
+}
+
+/// A running `credit` process. Its stdout is piped (it prints one summary line there when it
+/// stops); its log (stderr) is appended to a file or discarded. Killed if dropped while running.
+#[derive(Debug)]
+pub struct CreditProcess {
+    child: Child,
+}
+
+/// The counts from `credit`'s last line: `credit stopped: applied=N skipped=N nacked=N
+/// terminated=N`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Summary {
+    /// Messages whose effect was committed and acked.
+    pub applied: u64,
+    /// Duplicates skipped.
+    pub skipped: u64,
+    /// Messages nak'd for redelivery.
+    pub nacked: u64,
+    /// Messages dead-lettered and terminated.
+    pub terminated: u64,
+}
+
+impl Summary {
+    /// Parses the last line of `stdout` that starts with `credit stopped:`.
+    pub fn parse(stdout: &str) -> Result<Summary, String> {
+        let line = stdout
+            .lines()
+            .rev()
+            .find(|l| l.starts_with("credit stopped:"))
+            .ok_or_else(|| format!("no `credit stopped:` line in {stdout:?}"))?;
+        let count = |name: &str| {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(|| format!("no {name}=N in {line:?}"))
+        };
+        Ok(Summary {
+            applied: count("applied")?,
+            skipped: count("skipped")?,
+            nacked: count("nacked")?,
+            terminated: count("terminated")?,
+        })
+    }
+}
+
+impl CreditProcess {
+    /// Starts `credit` as `config` says, its log appended to `log` (discarded when `None`).
+    pub fn spawn(config: &CreditConfig, log: Option<&Path>) -> Result<CreditProcess, String> {
+        let stderr = match log {
+            Some(path) => Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(path)
+                    .map_err(|e| format!("log file {}: {e}", path.display()))?,
+            ),
+            None => Stdio::null(),
+        };
+        let child = Command::new(&config.binary)
+            .env("NATS_URL", &config.nats_url)
+            .env("DATABASE_URL", &config.database_url)
+            .env("CREDIT_STREAM", &config.stream)
+            .env("CREDIT_SUBJECT", &config.subject)
+            .env("CREDIT_CONSUMER", &config.consumer)
+            .env("RUST_LOG", &config.rust_log)
+            .env("NO_COLOR", "1")
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", config.binary.display()))?;
+        Ok(CreditProcess { child })
+    }
+
+    /// Asks it to stop cleanly (SIGTERM), without waiting.
+    pub fn sigterm(&self) -> Result<(), String> {
+        let pid = self.child.id().ok_or("credit has already exited")?;
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .map_err(|e| format!("cannot run kill: {e}"))?;
+        let failed = || format!("kill -TERM {pid} failed ({status})");
+        status.success().then_some(()).ok_or_else(failed)
+    }
+
+    /// Kills it at once (SIGKILL), as a crash would, and reaps it.
+    pub async fn kill(&mut self) -> Result<(), String> {
+        self.child
+            .kill()
+            .await
+            .map_err(|e| format!("cannot kill credit: {e}"))
+    }
+
+    /// Whether it has exited (on its own, or after a signal).
+    pub fn has_exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// Waits at most `deadline` for it to exit.
+    pub async fn wait(&mut self, deadline: Duration) -> Result<ExitStatus, String> {
+        tokio::time::timeout(deadline, self.child.wait())
+            .await
+            .map_err(|_| format!("credit did not exit within {deadline:?}"))?
+            .map_err(|e| format!("wait for credit: {e}"))
+    }
+
+    /// SIGTERM, then waits at most `deadline`; it must exit 0 and print its summary.
+    pub async fn stop(mut self, deadline: Duration) -> Result<Summary, String> {
+        self.sigterm()?;
+        let status = self.wait(deadline).await?;
+        let mut out = String::new();
+        if let Some(mut stdout) = self.child.stdout.take() {
+            stdout
+                .read_to_string(&mut out)
+                .await
+                .map_err(|e| format!("read credit's stdout: {e}"))?;
+        }
+        if !status.success() {
+            return Err(format!("credit exited with {status}; stdout: {out:?}"));
+        }
+        Summary::parse(&out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Summary;
+
+    #[test]
+    fn the_last_summary_line_counts() {
+        let out = "credit stopped: applied=1 skipped=2 nacked=3 terminated=4\n\
+                   credit stopped: applied=10 skipped=20 nacked=30 terminated=40\n";
+        let s = Summary::parse(out).unwrap();
+        assert_eq!(
+            (s.applied, s.skipped, s.nacked, s.terminated),
+            (10, 20, 30, 40)
+        );
+        assert!(Summary::parse("").is_err());
+        assert!(Summary::parse("credit stopped: applied=x").is_err());
+    }
+}

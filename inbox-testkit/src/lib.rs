@@ -1,0 +1,53 @@
+//! The one test kit of the workspace, shared by the conformance suite (`inbox-tests`), the
+//! `credit` example's process tests and `cargo xtask demo|chaos`:
+//!
+//! - [`PrivateNats`]: a `nats-server` of one's own (free port, temporary store) to kill and
+//!   restart; [`connect`], [`publish_and_wait`], [`backlog`] for the JetStream side;
+//! - [`CreditProcess`]: the `credit` binary as a child process, stopped with SIGTERM or SIGKILL,
+//!   its summary line parsed into a [`Summary`];
+//! - [`Database`]: a fresh PostgreSQL or MariaDB database or SQLite file, whose connections can
+//!   be cut, removed when dropped;
+//! - [`TcpProxy`]: a forwarder that can be cut;
+//! - [`wait_until`] and [`Poll`]: polling under a deadline (never a fixed sleep); [`unique`]
+//!   names.
+//!
+//! Errors are one style throughout: `Result<_, String>`, the message naming what failed (the
+//! service, the address, the deadline). Tests `.expect()` them; xtask prints them.
+//!
+//! The services and their start commands are in the repository's `CONTRIBUTING.md`.
+
+mod credit;
+mod db;
+mod nats;
+mod proxy;
+mod wait;
+
+pub use credit::{CreditConfig, CreditProcess, Summary};
+pub use db::{Backend, Database, remove_sqlite_files, with_database};
+pub use nats::{Backlog, Outgoing, PrivateNats, backlog, connect, publish_and_wait};
+pub use proxy::TcpProxy;
+pub use wait::{Poll, wait_until};
+
+use std::future::Future;
+
+/// `prefix` followed by 12 random hex digits: names of databases, streams, consumers, files.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// Runs `fut` to completion on a runtime of its own on another thread: for cleanup from `Drop`,
+/// which may run inside or outside a runtime.
+pub fn off_runtime<F: Future<Output = ()> + Send + 'static>(fut: F) {
+    let _ = std::thread::spawn(move || {
+        if let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            runtime.block_on(fut)
+        }
+    })
+    .join();
+}

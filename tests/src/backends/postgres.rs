@@ -1,0 +1,53 @@
+//! PostgreSQL: a fresh database on `INBOX_TEST_PG_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`) per test.
+
+use super::{TestBackend, common_queries, server_queries};
+use inbox_testkit::Backend;
+
+/// PostgreSQL.
+pub struct Postgres;
+
+/// The PostgreSQL test handlers.
+pub mod handlers {
+    crate::backend_handlers!(
+        sqlx::Postgres,
+        ledger = "INSERT INTO ledger (msg_key, account, amount) VALUES ($1, $2, $3)",
+        credit = "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+                  ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        payment = "INSERT INTO payments (reference) VALUES ($1)",
+    );
+}
+
+impl TestBackend for Postgres {
+    type Db = sqlx::Postgres;
+    type Ledger = handlers::ledger;
+    type LedgerByTransportId = handlers::ledger_by_transport_id;
+    type Credit = handlers::credit;
+    type Payment = handlers::payment;
+    const BACKEND: Backend = Backend::Postgres;
+    const TABLES: [&'static str; 3] = [
+        "CREATE TABLE ledger (id BIGSERIAL PRIMARY KEY, msg_key TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",
+        "CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL CHECK (balance >= 0))",
+        "CREATE TABLE payments (reference BIGINT NOT NULL UNIQUE)",
+    ];
+
+    async fn connect(url: &str, max: u32) -> sqlx::PgPool {
+        let options = url.parse().expect("a PostgreSQL URL");
+        super::pool(url, options, max).await
+    }
+
+    common_queries!(
+        sqlx::Postgres,
+        backdate =
+            "UPDATE inbox SET received_at = now() - interval '2 hours' WHERE message_key = $1"
+    );
+
+    server_queries!(
+        sqlx::Postgres,
+        lock = "SELECT pg_try_advisory_lock(hashtext($1))" -> bool,
+        held = true,
+        unlock = "SELECT pg_advisory_unlock(hashtext($1))",
+        waiting_writers = "SELECT count(*) FROM pg_stat_activity \
+                           WHERE datname = $1 AND wait_event_type = 'Lock'"
+    );
+}

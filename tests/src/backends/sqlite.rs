@@ -1,0 +1,62 @@
+//! SQLite: a fresh file in the temporary directory per test.
+
+use super::{TestBackend, TestDb, common_queries};
+use inbox_testkit::Backend;
+use sqlx::pool::PoolConnection;
+
+/// SQLite.
+pub struct Sqlite;
+
+/// The SQLite test handlers.
+pub mod handlers {
+    crate::backend_handlers!(
+        sqlx::Sqlite,
+        ledger = "INSERT INTO ledger (msg_key, account, amount) VALUES (?1, ?2, ?3)",
+        credit = "INSERT INTO accounts (id, balance) VALUES (?1, ?2) \
+                  ON CONFLICT (id) DO UPDATE SET balance = balance + excluded.balance",
+        payment = "INSERT INTO payments (reference) VALUES (?1)",
+    );
+}
+
+impl TestBackend for Sqlite {
+    type Db = sqlx::Sqlite;
+    type Ledger = handlers::ledger;
+    type LedgerByTransportId = handlers::ledger_by_transport_id;
+    type Credit = handlers::credit;
+    type Payment = handlers::payment;
+    const BACKEND: Backend = Backend::Sqlite;
+    const SINGLE_WRITER: bool = true;
+    const TABLES: [&'static str; 3] = [
+        "CREATE TABLE ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, msg_key TEXT NOT NULL, account INTEGER NOT NULL, amount INTEGER NOT NULL)",
+        "CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0))",
+        "CREATE TABLE payments (reference INTEGER NOT NULL UNIQUE)",
+    ];
+
+    async fn connect(url: &str, max: u32) -> sqlx::SqlitePool {
+        let options = inbox_runtime::sqlite_options(url).expect("a SQLite URL");
+        super::pool(url, options, max).await
+    }
+
+    common_queries!(
+        sqlx::Sqlite,
+        backdate = "UPDATE inbox SET received_at = strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-2 hours') \
+                    WHERE message_key = ?1"
+    );
+
+    /// None: one writer at a time serialises cleanups without a lock.
+    async fn hold_cleanup_lock(
+        _: &TestDb<sqlx::Sqlite>,
+        _: &'static str,
+    ) -> Option<PoolConnection<sqlx::Sqlite>> {
+        None
+    }
+
+    async fn release_cleanup_lock(_: PoolConnection<sqlx::Sqlite>, _: &'static str) {}
+
+    async fn waiting_writers(db: &TestDb<sqlx::Sqlite>) -> i64 {
+        // SQLite has no lock table to look at; BEGIN IMMEDIATE makes the second writer wait for
+        // the database's one write lock, so a second connection in use is that writer.
+        let in_use = db.pool.size() as i64 - db.pool.num_idle() as i64;
+        in_use - 1
+    }
+}
