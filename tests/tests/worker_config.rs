@@ -25,7 +25,7 @@ async fn fine(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error
 fn refused<H: inbox_runtime::Handler>(
     built: Result<inbox_runtime::Worker<H>, WorkerError>,
 ) -> WorkerError {
-    built.err().expect("the worker was built")
+    built.expect_err("the worker was built")
 }
 
 async fn consumer(
