@@ -10,9 +10,7 @@ use inbox_runtime::{
     sqlite_options,
 };
 use serde::{Deserialize, Serialize};
-use sqlx::mysql::MySqlPoolOptions;
-use sqlx::postgres::PgPoolOptions;
-use sqlx::sqlite::SqlitePoolOptions;
+use sqlx::pool::PoolOptions;
 use sqlx::{MySql, MySqlPool, PgPool, Pool, Postgres, Sqlite, SqlitePool};
 use std::future::Future;
 use std::time::Duration;
@@ -168,57 +166,35 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     };
     let url = config.database_url.as_str();
     let scheme = url.split_once(':').map_or("", |(s, _)| s);
-    let timeout = Duration::from_secs(5);
+    let bad_url = |e: sqlx::Error| format!("DATABASE_URL {url:?}: {e}");
+    let on = Serve {
+        consumer,
+        stream: &stream,
+        shutdown,
+    };
     match scheme {
         "postgres" | "postgresql" => {
-            // No ping before every acquire: the hot path is BEGIN, claim, handler, COMMIT, and a
-            // dead connection fails BEGIN, which is retried like any transient error.
-            let connect = || {
-                let pool = PgPoolOptions::new()
-                    .max_connections(8)
-                    .acquire_timeout(timeout)
-                    .test_before_acquire(false)
-                    .connect(url);
-                async { pool.await.map_err(db_start_error::<Postgres>) }
-            };
-            let Some(pool) = until_up("the database", &shutdown, connect).await? else {
-                return Ok(Stats::default());
-            };
-            create_accounts_postgres(&pool).await?;
-            serve(pool, consumer, &stream, credit_postgres, shutdown).await
+            let options = url.parse().map_err(bad_url)?;
+            let pool = server_pool::<Postgres>();
+            on.serve(pool, options, create_accounts_postgres, credit_postgres)
+                .await
         }
         "mysql" | "mariadb" => {
-            let connect = || {
-                let pool = MySqlPoolOptions::new()
-                    .max_connections(8)
-                    .acquire_timeout(timeout)
-                    .test_before_acquire(false)
-                    .connect(url);
-                async { pool.await.map_err(db_start_error::<MySql>) }
-            };
-            let Some(pool) = until_up("the database", &shutdown, connect).await? else {
-                return Ok(Stats::default());
-            };
-            create_accounts_mysql(&pool).await?;
-            serve(pool, consumer, &stream, credit_mysql, shutdown).await
+            let options = url.parse().map_err(bad_url)?;
+            let pool = server_pool::<MySql>();
+            on.serve(pool, options, create_accounts_mysql, credit_mysql)
+                .await
         }
         "sqlite" => {
-            let options = sqlite_options(url).map_err(|e| format!("DATABASE_URL {url:?}: {e}"))?;
+            let options = sqlite_options(url).map_err(bad_url)?;
             // SQLite has one writer at a time: more connections would only queue for the lock.
             // Processes opening a new file together race to switch it to WAL, and the loser gets
             // SQLITE_BUSY at once, without waiting out the busy timeout: waited out like an outage.
-            let connect = || {
-                let pool = SqlitePoolOptions::new()
-                    .max_connections(1)
-                    .test_before_acquire(false)
-                    .connect_with(options.clone());
-                async { pool.await.map_err(db_start_error::<Sqlite>) }
-            };
-            let Some(pool) = until_up("the database", &shutdown, connect).await? else {
-                return Ok(Stats::default());
-            };
-            create_accounts_sqlite(&pool).await?;
-            serve(pool, consumer, &stream, credit_sqlite, shutdown).await
+            let pool = PoolOptions::<Sqlite>::new()
+                .max_connections(1)
+                .test_before_acquire(false);
+            on.serve(pool, options, create_accounts_sqlite, credit_sqlite)
+                .await
         }
         _ => Err(format!(
             "DATABASE_URL {url:?} is not supported: use postgres://, mysql:// (or mariadb://) or sqlite://"
@@ -317,24 +293,52 @@ async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Co
     Ok((consumer, stream.cached_info().config.clone()))
 }
 
-/// Migrates the inbox and runs the worker until `shutdown`.
-async fn serve<H>(
-    pool: Pool<H::Db>,
+/// The pool of a database server: eight connections, and no ping before every acquire (the hot
+/// path is BEGIN, claim, handler, COMMIT, and a dead connection fails BEGIN, which is retried like
+/// any transient error).
+fn server_pool<DB: sqlx::Database>() -> PoolOptions<DB> {
+    PoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(5))
+        .test_before_acquire(false)
+}
+
+/// Where the worker runs, once NATS is up.
+struct Serve<'a> {
     consumer: PullConsumer,
-    stream: &stream::Config,
-    handler: H,
+    stream: &'a stream::Config,
     shutdown: CancellationToken,
-) -> Result<Stats, Error>
-where
-    H: Handler<State = ()>,
-    H::Message: serde::de::DeserializeOwned,
-{
-    let inbox = Inbox::new(pool.clone());
-    inbox.migrate().await?;
-    let worker = WorkerBuilder::new(inbox, consumer)
-        .cleanup(RETENTION, stream)
-        .build(handler)?;
-    let stats = worker.run_until(shutdown).await;
-    pool.close().await;
-    Ok(stats)
+}
+
+impl Serve<'_> {
+    /// Opens the pool (waiting out a database that is down), creates `accounts`, migrates the
+    /// inbox and runs the worker until `shutdown`.
+    async fn serve<H>(
+        self,
+        pool: PoolOptions<H::Db>,
+        options: <<H::Db as sqlx::Database>::Connection as sqlx::Connection>::Options,
+        create_accounts: impl AsyncFnOnce(&Pool<H::Db>) -> Result<(), sqlx::Error>,
+        handler: H,
+    ) -> Result<Stats, Error>
+    where
+        H: Handler<State = ()>,
+        H::Message: serde::de::DeserializeOwned,
+    {
+        let connect = || {
+            let pool = pool.clone().connect_with(options.clone());
+            async { pool.await.map_err(db_start_error::<H::Db>) }
+        };
+        let Some(pool) = until_up("the database", &self.shutdown, connect).await? else {
+            return Ok(Stats::default());
+        };
+        create_accounts(&pool).await?;
+        let inbox = Inbox::new(pool.clone());
+        inbox.migrate().await?;
+        let worker = WorkerBuilder::new(inbox, self.consumer)
+            .cleanup(RETENTION, self.stream)
+            .build(handler)?;
+        let stats = worker.run_until(self.shutdown).await;
+        pool.close().await;
+        Ok(stats)
+    }
 }

@@ -82,39 +82,79 @@ pub fn expand(h: &Handler) -> TokenStream {
 
     let unit = unit_struct(func, Some(consumer));
 
+    let types = ImplTypes {
+        db: quote!(#db),
+        message: quote!(#msg_ty),
+        state: state_ty,
+        error: error_ty,
+        consumer: quote!(#consumer),
+    };
+    let handle_body = quote! {
+        #returns_unit
+        #func
+        let __inbox_fut = #name(#(#call_args),*);
+        async move { ::core::result::Result::map(__inbox_fut.await, |_| ()) }
+    };
+    let handler = handler_impl(name, &types, key_body, handle_body);
     quote! {
         #unit
+        #handler
+    }
+}
 
+/// The associated items of a `Handler` impl, as tokens.
+pub struct ImplTypes {
+    pub db: TokenStream,
+    pub message: TokenStream,
+    pub state: TokenStream,
+    pub error: TokenStream,
+    pub consumer: TokenStream,
+}
+
+/// The `impl Handler` that both the expansion and the fallback emit, around their `key` and
+/// `handle` bodies. The bodies see the arguments as `__inbox_msg`, `__inbox_tx`, `__inbox_state`.
+pub fn handler_impl(
+    name: &syn::Ident,
+    types: &ImplTypes,
+    key_body: TokenStream,
+    handle_body: TokenStream,
+) -> TokenStream {
+    let rt = quote!(::inbox_runtime::__private);
+    let ImplTypes {
+        db,
+        message,
+        state,
+        error,
+        consumer,
+    } = types;
+    quote! {
         #[automatically_derived]
         impl #rt::Handler for #name {
             type Db = #db;
-            type Message = #msg_ty;
-            type State = #state_ty;
-            type Error = #error_ty;
+            type Message = #message;
+            type State = #state;
+            type Error = #error;
 
             const CONSUMER: &'static str = #consumer;
 
             #[allow(clippy::needless_borrow, clippy::unnecessary_to_owned)]
             fn key(
                 &self,
-                #msg_var: &Self::Message,
-                #state_var: &Self::State,
+                __inbox_msg: &Self::Message,
+                __inbox_state: &Self::State,
             ) -> ::core::option::Option<::std::string::String> {
                 #key_body
             }
 
             fn handle<'__a, '__c>(
                 &'__a self,
-                #msg_var: Self::Message,
-                #tx_var: &'__a mut #rt::Transaction<'__c, Self::Db>,
-                #state_var: &'__a Self::State,
+                __inbox_msg: Self::Message,
+                __inbox_tx: &'__a mut #rt::Transaction<'__c, Self::Db>,
+                __inbox_state: &'__a Self::State,
             ) -> impl ::core::future::Future<
                 Output = ::core::result::Result<(), Self::Error>,
             > + ::core::marker::Send + '__a {
-                #returns_unit
-                #func
-                let __inbox_fut = #name(#(#call_args),*);
-                async move { ::core::result::Result::map(__inbox_fut.await, |_| ()) }
+                #handle_body
             }
         }
     }

@@ -3,7 +3,7 @@
 //! unit struct every use of the handler (`.build(credit)`, `inbox.process(&credit, ..)`) would add
 //! an error of its own.
 
-use crate::expand::{explicit_mut_ref_lifetimes, unit_struct};
+use crate::expand::{ImplTypes, explicit_mut_ref_lifetimes, handler_impl, unit_struct};
 use crate::validate::{Invalid, Types};
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
@@ -62,34 +62,14 @@ fn stub_impl(name: &syn::Ident, invalid: &Invalid, types: &Types) -> TokenStream
         Some(lit) => quote!(#lit),
         None => quote!(""),
     };
-    quote! {
-        #[automatically_derived]
-        impl #rt::Handler for #name {
-            type Db = #db;
-            type Message = #msg_ty;
-            type State = #state_ty;
-            type Error = #error_ty;
-
-            const CONSUMER: &'static str = #consumer;
-
-            fn key(
-                &self,
-                _: &Self::Message,
-                _: &Self::State,
-            ) -> ::core::option::Option<::std::string::String> {
-                ::core::option::Option::None
-            }
-
-            fn handle<'__a, '__c>(
-                &'__a self,
-                _: Self::Message,
-                _: &'__a mut #rt::Transaction<'__c, Self::Db>,
-                _: &'__a Self::State,
-            ) -> impl ::core::future::Future<
-                Output = ::core::result::Result<(), Self::Error>,
-            > + ::core::marker::Send + '__a {
-                async { ::core::unreachable!() }
-            }
-        }
-    }
+    let types = ImplTypes {
+        db: quote!(#db),
+        message: quote!(#msg_ty),
+        state: state_ty,
+        error: error_ty,
+        consumer,
+    };
+    let key_body = quote!(::core::option::Option::None);
+    let handle_body = quote!(async { ::core::unreachable!() });
+    handler_impl(name, &types, key_body, handle_body)
 }
