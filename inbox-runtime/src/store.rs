@@ -221,14 +221,14 @@ impl<DB: InboxBackend> Inbox<DB> {
                 stage: Stage::Finish,
                 source,
             })?;
+        // The marker this transaction inserted is gone: never commit as if it were done. Not a
+        // transient error (a retry would not bring it back); redelivery leaves time to look.
         match DB::rows_affected(&finished) {
-            1 => Ok(Outcome::Ack),
-            n => Err(ProcessError::Database {
+            0 => Err(ProcessError::Database {
                 stage: Stage::Finish,
-                source: sqlx::Error::Protocol(format!(
-                    "marking inbox row {id} processed affected {n} rows; expected 1"
-                )),
+                source: sqlx::Error::RowNotFound,
             }),
+            _ => Ok(Outcome::Ack),
         }
     }
 }

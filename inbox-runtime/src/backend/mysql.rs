@@ -72,10 +72,12 @@ impl Backend for MySql {
             .execute(&mut **tx)
             .await?;
         match done.rows_affected() {
-            1 => Ok(Claim::New(done.last_insert_id() as i64)),
+            // A new row always has an AUTO_INCREMENT id; 0 would mark the wrong row processed.
+            1 if done.last_insert_id() > 0 => Ok(Claim::New(done.last_insert_id() as i64)),
             2 => Ok(Claim::Duplicate),
             n => Err(sqlx::Error::Protocol(format!(
-                "the inbox claim affected {n} rows; expected 1 (new) or 2 (duplicate)"
+                "the inbox claim affected {n} rows (insert id {}); expected 1 (new) or 2 (duplicate)",
+                done.last_insert_id()
             ))),
         }
     }

@@ -381,6 +381,8 @@ mod tests {
     fn concurrency_is_capped_by_the_pool_and_max_ack_pending() {
         let mut o = Options::default();
         assert_eq!(checked(&o, &config()).unwrap().concurrency, 8);
+        o.concurrency = Some(4);
+        assert_eq!(checked(&o, &config()).unwrap().concurrency, 4);
         o.concurrency = Some(20);
         assert_eq!(checked(&o, &config()).unwrap().concurrency, 8);
         let few_pending = consumer::Config {
@@ -399,6 +401,12 @@ mod tests {
     fn progress_acks_every_third_of_ack_wait() {
         let s = checked(&Options::default(), &config()).unwrap();
         assert_eq!(s.progress_every, Duration::from_secs(10));
+        let long = consumer::Config {
+            ack_wait: Duration::from_secs(60),
+            ..config()
+        };
+        let s = checked(&Options::default(), &long).unwrap();
+        assert_eq!(s.progress_every, Duration::from_secs(20));
         let unset = consumer::Config {
             ack_wait: Duration::ZERO,
             ..config()
@@ -429,8 +437,23 @@ mod tests {
         ] {
             assert!(text.contains(figure), "{figure:?} missing from: {text}");
         }
-        o.cleanup = Some((Duration::from_secs(330), stream));
+        o.cleanup = Some((Duration::from_secs(330), stream.clone()));
         let schedule = checked(&o, &config()).unwrap().cleanup.unwrap();
         assert_eq!(schedule.retention, Duration::from_secs(330));
+
+        // A delivery can stay unacked for as long as the longest nak asks, when that exceeds
+        // ack_wait: the consumer's backoff (60 s × 5 + backoff sum 65 s + 120 s + 60 s = 545 s).
+        let backoff = consumer::Config {
+            backoff: vec![Duration::from_secs(5), Duration::from_secs(60)],
+            ..config()
+        };
+        o.cleanup = Some((Duration::from_secs(544), stream.clone()));
+        let err = checked(&o, &backoff).unwrap_err().to_string();
+        assert!(err.contains("= 545s"), "{err}");
+        // Or our own nak delay, when the consumer has no backoff (90 s × 5 + 120 s + 60 s).
+        o.nak_delay = Backoff::new(Duration::from_secs(1), Duration::from_secs(90));
+        o.cleanup = Some((Duration::from_secs(629), stream));
+        let err = checked(&o, &config()).unwrap_err().to_string();
+        assert!(err.contains("= 630s"), "{err}");
     }
 }

@@ -77,9 +77,18 @@ where
     /// Tells JetStream the verdict and counts it.
     async fn answer(&self, message: &Message, verdict: Verdict, delivery: &Delivery) {
         let span = tracing::Span::current();
+        // Recorded before acting, so that what is logged while answering carries it.
+        let outcome = |name: &'static str| {
+            span.record("outcome", name);
+        };
         let counters = &self.counters;
-        let (outcome, counter) = match verdict {
+        let counter = match verdict {
             Verdict::Ack | Verdict::Skip => {
+                outcome(if verdict == Verdict::Ack {
+                    "ack"
+                } else {
+                    "skip"
+                });
                 let double = verdict == Verdict::Ack && self.settings.ack_mode == AckMode::Double;
                 let acked = if double {
                     message.double_ack().await
@@ -91,8 +100,8 @@ where
                     tracing::warn!(error = %e, "ack failed; a redelivery will be skipped");
                 }
                 match verdict {
-                    Verdict::Ack => ("ack", &counters.acked),
-                    _ => ("skip", &counters.skipped),
+                    Verdict::Ack => &counters.acked,
+                    _ => &counters.skipped,
                 }
             }
             Verdict::DeadLetter(reason) => {
@@ -105,28 +114,30 @@ where
                 };
                 match self.dead_letters.publish(message, &letter).await {
                     Ok(()) => {
+                        outcome("dead_letter");
                         tracing::error!(error = %reason, "message dead-lettered and terminated");
                         if let Err(e) = message.ack_with(AckKind::Term).await {
                             // The dead letter exists; a redelivery would add a second one.
                             tracing::warn!(error = %e, "term failed after dead-lettering");
                         }
-                        ("dead_letter", &counters.terminated)
+                        &counters.terminated
                     }
                     Err(e) => {
                         // Never lose it: leave it with JetStream and try again later.
+                        outcome("nak");
                         tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
                         let delay = self.settings.limits.redelivery_delay(delivery.delivered);
                         nak(message, delay).await;
-                        ("nak", &counters.nacked)
+                        &counters.nacked
                     }
                 }
             }
             Verdict::Nak(delay) => {
+                outcome("nak");
                 nak(message, delay).await;
-                ("nak", &counters.nacked)
+                &counters.nacked
             }
         };
-        span.record("outcome", outcome);
         counter.fetch_add(1, Ordering::Relaxed);
         tracing::debug!("answered");
     }
