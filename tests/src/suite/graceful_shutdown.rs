@@ -5,7 +5,6 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, Running};
-use inbox_testkit::wait_until;
 use std::time::Duration;
 
 /// The test.
@@ -25,11 +24,12 @@ async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
         .build_with_state(B::Ledger::default(), Probe::held(false))
         .unwrap();
     let run = Running::start(&first);
-    wait_until("a message in flight", Duration::from_secs(30), || async {
-        nats.info("c").await.num_ack_pending == 1
-    })
-    .await
-    .unwrap();
+    // In flight means the handler runs, not merely that the server delivered the message: a
+    // message the pull loop has not handed to a task when the shutdown comes is nak'd instead.
+    tokio::time::timeout(Duration::from_secs(30), first.state().entered())
+        .await
+        .expect("the handler did not start within 30 s");
+    assert_eq!(nats.info("c").await.num_ack_pending, 1);
     run.cancel();
     assert!(
         !run.is_finished(),
