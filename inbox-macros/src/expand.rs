@@ -59,26 +59,12 @@ pub fn expand(h: &Handler) -> TokenStream {
     }
 
     // The shape `Result<(), E>` is checked once, by the compiler through the runtime's
-    // `HandlerResult`, spanned on the user's return type. Every other mention of the error type
-    // must then resolve even when that check fails, or each one repeats the error: hence `E` as
-    // written when the return type spells it, and the body's `Ok` value mapped to `()` (a no-op
-    // once the check passes) so that a wrong `Ok` type is not reported a second time as a
-    // mismatched future.
-    let (error_ty, returns_unit) = match written_error_type(ret) {
-        Some(e) => (
-            quote!(#e),
-            quote_spanned! {ret.span()=>
-                let _: ::core::marker::PhantomData<<#ret as #rt::HandlerResult>::Error> =
-                    ::core::marker::PhantomData;
-            },
-        ),
-        // An alias such as `io::Result<()>` hides `E`: the trait extracts it, which is the check
-        // itself, and a wrong `Ok` type behind an alias is reported more than once.
-        None => (
-            quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error },
-            TokenStream::new(),
-        ),
-    };
+    // `ReturnsUnit`, spanned on the user's return type. Every other mention of the error type
+    // resolves for any `Result<T, E>` (through `HandlerResult`, which also sees through aliases
+    // such as `io::Result<()>`), and the body's `Ok` value is mapped to `()` (a no-op once the
+    // check passes), so that a wrong `Ok` type is not reported again as a mismatched future.
+    let error_ty = quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error };
+    let returns_unit = returns_unit_check(ret);
 
     let unit = unit_struct(func, Some(consumer));
 
@@ -99,6 +85,15 @@ pub fn expand(h: &Handler) -> TokenStream {
     quote! {
         #unit
         #handler
+    }
+}
+
+/// A statement that compiles only when `ret` is `Result<(), E>`, reported once, on `ret`.
+pub fn returns_unit_check(ret: &Type) -> TokenStream {
+    let rt = quote!(::inbox_runtime::__private);
+    quote_spanned! {ret.span()=>
+        let _: ::core::marker::PhantomData<<#ret as #rt::ReturnsUnit>::Unit> =
+            ::core::marker::PhantomData;
     }
 }
 
@@ -157,28 +152,6 @@ pub fn handler_impl(
                 #handle_body
             }
         }
-    }
-}
-
-/// `E` in a return type written `Result<T, E>` (any path ending in `Result` with two type
-/// arguments); `None` for other shapes, such as the one-argument alias `io::Result<()>`.
-fn written_error_type(ret: &Type) -> Option<&Type> {
-    match ret {
-        Type::Paren(p) => written_error_type(&p.elem),
-        Type::Path(p) if p.qself.is_none() => {
-            let PathArguments::AngleBracketed(args) = &p.path.segments.last()?.arguments else {
-                return None;
-            };
-            let mut types = args.args.iter().filter_map(|a| match a {
-                GenericArgument::Type(t) => Some(t),
-                _ => None,
-            });
-            match (types.next(), types.next(), types.next()) {
-                (Some(_), Some(e), None) => Some(e),
-                _ => None,
-            }
-        }
-        _ => None,
     }
 }
 

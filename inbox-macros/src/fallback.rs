@@ -3,7 +3,9 @@
 //! unit struct every use of the handler (`.build(credit)`, `inbox.process(&credit, ..)`) would add
 //! an error of its own.
 
-use crate::expand::{ImplTypes, explicit_mut_ref_lifetimes, handler_impl, unit_struct};
+use crate::expand::{
+    ImplTypes, explicit_mut_ref_lifetimes, handler_impl, returns_unit_check, unit_struct,
+};
 use crate::validate::{Invalid, Types};
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
@@ -51,12 +53,15 @@ fn stub_impl(name: &syn::Ident, invalid: &Invalid, types: &Types) -> TokenStream
         Some(ty) => quote!(#ty),
         None => quote!(()),
     };
-    // A `Result` return type is used as declared, so that a wrong `Result<u32, E>` is still
-    // reported (on the user's type) next to the other mistakes; any other return type was already
-    // reported by validation, and the boxed error stands in for it.
-    let error_ty = match &types.ret {
-        Some(ret) => quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error },
-        None => quote!(::inbox_runtime::BoxError),
+    // A `Result` return type is used as declared and checked, so that a wrong `Result<u32, E>`
+    // is still reported (on the user's type) next to the other mistakes; any other return type
+    // was already reported by validation, and the boxed error stands in for it.
+    let (error_ty, returns_unit) = match &types.ret {
+        Some(ret) => (
+            quote_spanned! {ret.span()=> <#ret as #rt::HandlerResult>::Error },
+            returns_unit_check(ret),
+        ),
+        None => (quote!(::inbox_runtime::BoxError), TokenStream::new()),
     };
     let consumer = match &invalid.consumer {
         Some(lit) => quote!(#lit),
@@ -70,6 +75,9 @@ fn stub_impl(name: &syn::Ident, invalid: &Invalid, types: &Types) -> TokenStream
         consumer,
     };
     let key_body = quote!(::core::option::Option::None);
-    let handle_body = quote!(async { ::core::unreachable!() });
+    let handle_body = quote! {
+        #returns_unit
+        async { ::core::unreachable!() }
+    };
     handler_impl(name, &types, key_body, handle_body)
 }

@@ -278,7 +278,7 @@ fn database_of(ty: &Type) -> Option<Type> {
 
 /// `Result<..>`, `io::Result<..>`, `anyhow::Result<..>`: any path whose last segment is `Result`.
 /// The exact shape (`Result<(), E>`) is checked by the compiler through the runtime's
-/// `HandlerResult` trait, on the user's return type.
+/// `ReturnsUnit` trait, on the user's return type.
 fn is_result(ty: &Type) -> bool {
     match ty {
         Type::Path(p) => p.path.segments.last().is_some_and(|s| s.ident == "Result"),

@@ -96,17 +96,29 @@ impl Outcome {
     }
 }
 
-/// Extracts `E` from a handler's return type `Result<(), E>`; used by the generated code so that a
-/// return type of another shape is reported on the user's return type.
-#[diagnostic::on_unimplemented(
-    message = "`#[idempotent]` handlers must return `Result<(), E>`, not `{Self}`",
-    label = "expected `Result<(), E>`"
-)]
+/// The error type `E` of a handler's return type `Result<T, E>`, also when it is written as an
+/// alias such as `io::Result<()>`: what the code `#[idempotent]` generates names as
+/// [`Handler::Error`].
 pub trait HandlerResult {
     /// The error type `E`.
     type Error;
 }
 
-impl<E> HandlerResult for Result<(), E> {
+impl<T, E> HandlerResult for Result<T, E> {
     type Error = E;
+}
+
+/// Implemented only for `Result<(), E>`. The generated code checks it once, spanned on the
+/// handler's declared return type, so that any other return type is one error, on the user's code.
+#[diagnostic::on_unimplemented(
+    message = "`#[idempotent]` handlers must return `Result<(), E>`, not `{Self}`",
+    label = "expected `Result<(), E>`"
+)]
+pub trait ReturnsUnit {
+    /// `()`: named by the check, which needs an item of the trait to point at.
+    type Unit;
+}
+
+impl<E> ReturnsUnit for Result<(), E> {
+    type Unit = ();
 }

@@ -1,0 +1,10 @@
+use inbox_runtime::{Tx, idempotent};
+use sqlx::Postgres;
+
+#[idempotent(key = msg.id)]
+async fn credit(msg: Credit, tx: &mut Tx<Postgres>) -> Result<u32, sqlx::Error> {
+    let _ = (msg, tx);
+    Ok(0)
+}
+
+include!("../uses_credit.rs");
