@@ -139,6 +139,13 @@ pub(crate) mod sealed {
         /// The rows a statement affected (sqlx has no generic accessor).
         fn rows_affected(done: &Self::QueryResult) -> u64;
 
+        /// Whether a database error says the data itself is wrong (a value out of range, too
+        /// long, not valid in its encoding): the same message fails the same way every time.
+        fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+            let _ = err;
+            false
+        }
+
         /// Whether a database error is transient (serialization failure, deadlock, lock timeout,
         /// busy, connection killed): the same message may succeed in a fresh transaction.
         fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;

@@ -63,7 +63,9 @@ marker!(Transient);
 /// Classifies a processing failure on backend `DB`.
 pub fn classify<DB: InboxBackend>(err: &ProcessError) -> ErrorClass {
     match err {
-        ProcessError::Decode { .. } | ProcessError::Key(_) => ErrorClass::Permanent,
+        ProcessError::Decode { .. } | ProcessError::Key(_) | ProcessError::Panicked(_) => {
+            ErrorClass::Permanent
+        }
         // The inbox's own SQL: a transient failure is retried, anything else (a missing table,
         // say) is an operator's problem that redelivery gives time to fix.
         ProcessError::Database { source, .. } if is_transient::<DB>(source) => {
@@ -87,16 +89,17 @@ fn classify_handler_error<DB: InboxBackend>(
         }
         if let Some(sqlx_err) = e.downcast_ref::<sqlx::Error>() {
             if let Some(db) = sqlx_err.as_database_error()
-                && matches!(
+                && (matches!(
                     db.kind(),
                     ErrorKind::UniqueViolation
-                        | ErrorKind::ForeignKeyViolation
                         | ErrorKind::NotNullViolation
                         | ErrorKind::CheckViolation
-                )
+                ) || DB::is_data_error(db))
             {
-                // Integrity violations in the business write: the same message will violate
-                // the same constraint every time.
+                // Integrity violations and bad data in the business write: the same message will
+                // fail the same way every time. Not a foreign-key violation: the parent row may
+                // be on its way (an event arriving before the one that creates it), so it is
+                // redelivered with a delay and dead-lettered only at max_deliver.
                 return ErrorClass::Permanent;
             }
             if is_transient::<DB>(sqlx_err) {

@@ -82,6 +82,10 @@ pub enum KeyError {
     /// The key is longer than [`MAX_KEY_LEN`] bytes.
     #[error("the message key is {0} bytes long; at most {MAX_KEY_LEN} bytes are allowed")]
     TooLong(usize),
+    /// The key contains a NUL byte, which PostgreSQL cannot store in text: rejected on every
+    /// backend, so that a key means the same on all of them.
+    #[error("the message key contains a NUL byte")]
+    Nul,
     /// The handler has no `key` and the message carries no transport id.
     #[error("no message key: the handler has no `key` and the message has no transport id")]
     Missing,
@@ -93,6 +97,8 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
         Err(KeyError::Empty)
     } else if key.len() > MAX_KEY_LEN {
         Err(KeyError::TooLong(key.len()))
+    } else if key.contains('\0') {
+        Err(KeyError::Nul)
     } else {
         Ok(())
     }

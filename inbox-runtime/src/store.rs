@@ -60,6 +60,10 @@ pub enum ProcessError {
     /// The handler returned an error; its transaction was rolled back.
     #[error("handler failed: {0}")]
     Handler(BoxError),
+    /// The handler (or its key expression) panicked; its transaction was rolled back. Permanent:
+    /// the same message would panic again.
+    #[error("handler panicked: {0}")]
+    Panicked(String),
 }
 
 /// The inbox over one database pool and table. Cheap to clone.

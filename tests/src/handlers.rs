@@ -55,6 +55,8 @@ pub enum Failure {
     Transient,
     /// Marked [`inbox_runtime::Permanent`].
     Permanent,
+    /// A panic.
+    Panic,
 }
 
 impl Probe {
@@ -119,6 +121,7 @@ impl Probe {
                 Failure::Transient => {
                     LedgerError::Marked(inbox_runtime::Transient::new("flaky downstream").into())
                 }
+                Failure::Panic => panic!("the handler panicked on purpose"),
                 Failure::Permanent => {
                     LedgerError::Marked(inbox_runtime::Permanent::new("account is closed").into())
                 }

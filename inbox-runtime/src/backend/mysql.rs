@@ -82,6 +82,12 @@ impl Backend for MySql {
         }
     }
 
+    fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // SQLSTATE class 22, data exception: invalid byte sequence or NUL in text (22021),
+        // numeric value out of range (22003), string too long (22001), division by zero (22012).
+        err.code().is_some_and(|c| c.starts_with("22"))
+    }
+
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // The error number, not the SQLSTATE (which is a coarse 40001 or HY000): 1213 deadlock,
         // 1205 lock wait timeout, 1040 too many connections, 1053 server shutdown, 1927
@@ -108,7 +114,9 @@ impl Backend for MySql {
         conn: &'a mut sqlx::MySqlConnection,
         name: &'a str,
     ) -> Result<bool, sqlx::Error> {
-        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+        let got: Option<i64> = // MySQL refuses lock names over 64 characters (ours can reach 263): the SHA-256 in hex
+        // is exactly 64, and the same for every instance.
+        sqlx::query_scalar("SELECT GET_LOCK(SHA2(?, 256), 0)")
             .bind(name)
             .fetch_one(conn)
             .await?;
@@ -119,7 +127,7 @@ impl Backend for MySql {
         conn: &'a mut sqlx::MySqlConnection,
         name: &'a str,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query("DO RELEASE_LOCK(?)")
+        sqlx::query("DO RELEASE_LOCK(SHA2(?, 256))")
             .bind(name)
             .execute(conn)
             .await

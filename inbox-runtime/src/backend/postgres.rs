@@ -46,6 +46,12 @@ impl Backend for Postgres {
         )]
     }
 
+    fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // SQLSTATE class 22, data exception: invalid byte sequence or NUL in text (22021),
+        // numeric value out of range (22003), string too long (22001), division by zero (22012).
+        err.code().is_some_and(|c| c.starts_with("22"))
+    }
+
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // 40001 serialization failure, 40P01 deadlock, 55P03 lock not available, 57P01-03 the
         // server is shutting down or the backend was terminated, 53300 too many connections, and

@@ -77,8 +77,13 @@ impl Backend for Sqlite {
 }
 
 /// Connect options for an inbox on SQLite: WAL (readers do not block the writer), a busy timeout
-/// (writers queue for the lock instead of failing at once), `synchronous = NORMAL` (durable at
-/// checkpoints, safe with WAL), and the file created when missing.
+/// (writers queue for the lock instead of failing at once), `synchronous = FULL`, and the file
+/// created when missing.
+///
+/// `FULL` makes every commit durable before the message is acked. With WAL, `NORMAL` is faster
+/// but a power loss can undo the last commits after their messages were acked: their effects
+/// are lost. Opt in only if that is acceptable:
+/// `sqlite_options(url)?.synchronous(sqlx::sqlite::SqliteSynchronous::Normal)`.
 ///
 /// ```
 /// let options = inbox_runtime::sqlite_options("sqlite://target/inbox.db").unwrap();
@@ -88,7 +93,7 @@ pub fn sqlite_options(url: &str) -> Result<sqlx::sqlite::SqliteConnectOptions, s
     use std::str::FromStr;
     Ok(SqliteConnectOptions::from_str(url)?
         .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Normal)
+        .synchronous(SqliteSynchronous::Full)
         .busy_timeout(std::time::Duration::from_secs(30))
         .create_if_missing(true))
 }

@@ -12,7 +12,10 @@ use crate::key::{KeyError, message_key};
 use crate::store::{Inbox, ProcessError};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::message::{Info, Message};
+use futures::FutureExt;
 use serde::de::DeserializeOwned;
+use std::any::Any;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
@@ -173,12 +176,21 @@ where
         message: &Message,
         transport_id: &str,
     ) -> Result<Outcome, ProcessError> {
-        let (decoded, key) = decode_and_key(&self.handler, &self.state, message, transport_id)?;
-        tracing::Span::current().record("key", key.as_str());
-
-        let work = self
-            .inbox
-            .process_keyed(&self.handler, &self.state, decoded, &key);
+        // A panic in the key expression or the handler is this message's failure, not the
+        // worker's: caught here, it is dead-lettered like any permanent failure (uncaught, the task
+        // would end with neither ack nor nak, and the message would vanish after max_deliver).
+        // The transaction is dropped while unwinding, which rolls it back.
+        let work = AssertUnwindSafe(async {
+            let (decoded, key) = decode_and_key(&self.handler, &self.state, message, transport_id)?;
+            tracing::Span::current().record("key", key.as_str());
+            self.inbox
+                .process_keyed(&self.handler, &self.state, decoded, &key)
+                .await
+        })
+        .catch_unwind()
+        .map(|caught| {
+            caught.unwrap_or_else(|panic| Err(ProcessError::Panicked(panic_text(&*panic))))
+        });
         tokio::pin!(work);
         let every = self.settings.progress_every;
         let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
@@ -194,6 +206,15 @@ where
             }
         }
     }
+}
+
+/// What a panic said, when it said it with a string.
+fn panic_text(panic: &(dyn Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 async fn nak(message: &Message, delay: Duration) {
@@ -213,8 +234,13 @@ fn transport_id_of(message: &Message, info: &Info<'_>) -> String {
         .headers
         .as_ref()
         .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-        .map(|v| v.as_str().to_owned())
-        .unwrap_or_else(|| format!("{}:{}", info.stream, info.stream_sequence))
+        .map(|v| v.as_str())
+        // Some producers send the header empty: that is no id, not the id "".
+        .filter(|id| !id.is_empty())
+        .map_or_else(
+            || format!("{}:{}", info.stream, info.stream_sequence),
+            str::to_owned,
+        )
 }
 
 /// Decodes the payload as JSON and computes the validated key.

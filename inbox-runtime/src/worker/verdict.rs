@@ -247,20 +247,27 @@ mod tests {
 
     #[test]
     fn bad_keys_are_dead_lettered_at_once() {
-        for err in [KeyError::Empty, KeyError::TooLong(256), KeyError::Missing] {
+        for err in [
+            KeyError::Empty,
+            KeyError::TooLong(256),
+            KeyError::Nul,
+            KeyError::Missing,
+        ] {
             let (v, _) = hears(ProcessError::Key(err), 1, &limits());
             assert!(is_dead_letter(&v), "{v:?}");
         }
     }
 
     #[test]
-    fn integrity_violations_in_the_business_write_are_dead_lettered_at_once() {
+    fn integrity_violations_and_bad_data_in_the_business_write_are_dead_lettered_at_once() {
         use sqlx::error::ErrorKind::*;
         for (code, kind) in [
             ("23505", UniqueViolation),
             ("23514", CheckViolation),
             ("23502", NotNullViolation),
-            ("23503", ForeignKeyViolation),
+            ("22021", Other), // invalid byte sequence (or NUL) in text
+            ("22003", Other), // numeric value out of range
+            ("22001", Other), // string too long
         ] {
             let (v, tries) = hears(in_handler(db(code, kind)), 1, &limits());
             assert!(
@@ -269,6 +276,29 @@ mod tests {
             );
             assert_eq!(tries, 1, "{code}: never retried");
         }
+    }
+
+    #[test]
+    fn a_panic_is_dead_lettered_at_once() {
+        let (v, tries) = hears(
+            ProcessError::Panicked("index out of bounds".into()),
+            1,
+            &limits(),
+        );
+        assert_eq!(
+            v,
+            Verdict::DeadLetter("handler panicked: index out of bounds".into())
+        );
+        assert_eq!(tries, 1);
+    }
+
+    #[test]
+    fn a_foreign_key_violation_waits_for_its_parent_until_max_deliver() {
+        let err = || in_handler(db("23503", sqlx::error::ErrorKind::ForeignKeyViolation));
+        let (v, tries) = hears(err(), 1, &limits());
+        assert_eq!((v, tries), (Verdict::Nak(Duration::from_secs(1)), 1));
+        let (v, _) = hears(err(), 5, &limits());
+        assert!(is_dead_letter(&v), "{v:?}");
     }
 
     #[test]

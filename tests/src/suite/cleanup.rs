@@ -88,7 +88,20 @@ async fn cleanup_runs_one_instance_at_a_time<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
 }
 
+/// The fleet lock's name holds the table and the consumer (up to 200 bytes); MySQL refuses
+/// `GET_LOCK` names over 64 characters, so cleanup of a long consumer name failed there every time.
+async fn repro_cleanup_lock_name_too_long_for_mysql<B: TestBackend>() {
+    let (_db, inbox) = setup::<B>(2).await;
+    let consumer = "c".repeat(200);
+    let deleted = inbox
+        .cleanup(&consumer, Duration::from_secs(3600), 10)
+        .await
+        .expect("cleanup of a 200-byte consumer name");
+    assert_eq!(deleted, Some(0));
+}
+
 super::behaviours!(
     cleanup_deletes_only_old_finished_markers,
-    cleanup_runs_one_instance_at_a_time
+    cleanup_runs_one_instance_at_a_time,
+    repro_cleanup_lock_name_too_long_for_mysql,
 );

@@ -54,4 +54,28 @@ async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }
 
-super::behaviours!(empty_long_and_missing_keys_are_rejected);
+/// A NUL byte in a key: PostgreSQL could not store it (22021, retried until max_deliver as an
+/// unknown inbox error) while MySQL and SQLite did, so a key did not mean the same everywhere.
+/// Now key validation rejects it on every backend, before any transaction.
+async fn repro_nul_in_key_differs_by_backend<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let probe = Probe::open();
+    let err = inbox
+        .process(
+            &B::Ledger::default(),
+            &probe,
+            Entry::new("a\0b", 1, 1),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ProcessError::Key(KeyError::Nul)), "{err:?}");
+    assert_eq!(classify::<B::Db>(&err), ErrorClass::Permanent);
+    assert_eq!(probe.runs(), 0);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
+}
+
+super::behaviours!(
+    empty_long_and_missing_keys_are_rejected,
+    repro_nul_in_key_differs_by_backend,
+);

@@ -42,6 +42,8 @@ mod business_unique_violation_is_an_error;
 mod cleanup;
 mod committed_not_acked_is_skipped_on_redelivery;
 mod concurrent_migrations;
+mod dead_letters_are_stored;
+mod empty_msg_id_is_no_id;
 mod failures_are_retried_or_dead_lettered;
 mod graceful_shutdown;
 mod held_race;
