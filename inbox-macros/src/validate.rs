@@ -256,6 +256,16 @@ fn check_consumer(consumer: Option<LitStr>, errors: &mut Errors) -> Option<LitSt
                         value.len()
                     ),
                 );
+            } else if !value
+                .bytes()
+                .all(|b| b.is_ascii_graphic() && !matches!(b, b'.' | b'*' | b'>'))
+            {
+                // The runtime refuses it at start anyway (dead letters go to
+                // `<prefix>.<consumer>`); saying so here saves a failed deployment.
+                errors.push(
+                    lit.span(),
+                    "`consumer` must be one NATS subject token (dead letters go to `<prefix>.<consumer>`): use letters, digits, `-` and `_`, without spaces, `.`, `*` or `>`",
+                );
             }
             Some(lit)
         }

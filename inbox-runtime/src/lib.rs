@@ -82,11 +82,13 @@ pub use worker::{
 /// }
 /// ```
 ///
-/// - `consumer` (required): a non-empty string literal of at most 200 bytes, stored with every
-///   marker; handlers with different consumer names dedup independently.
+/// - `consumer` (required): a non-empty string literal of at most 200 bytes and one NATS subject
+///   token (no spaces, `.`, `*` or `>`), stored with every marker; handlers with different
+///   consumer names dedup independently.
 /// - `key` (optional): an expression over the arguments, evaluated on borrows of them before the
 ///   body runs; its value converts through [`ToMessageKey`] (strings, integers, `Uuid`). Without
-///   it the transport id is the key: `Nats-Msg-Id`, else `"{stream}:{stream_sequence}"`.
+///   it the transport id is the key: `Nats-Msg-Id` (unless empty), else
+///   `"{stream}:{stream_sequence}"`.
 ///
 /// The function takes the decoded message by value, the transaction as `&mut Tx<DB>`, and
 /// optionally a shared `&State` supplied once at registration, in any order, and returns

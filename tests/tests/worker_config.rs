@@ -3,16 +3,36 @@
 //! name that cannot be a subject token.
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
-use inbox_runtime::{Tx, WorkerError, idempotent};
+use inbox_runtime::{Handler, Tx, WorkerError, idempotent};
 use inbox_tests::NatsStream;
 use inbox_tests::backends::{Postgres, TestBackend};
 use inbox_tests::handlers::Entry;
 use std::time::Duration;
 
-#[idempotent(consumer = "bad name", key = msg.key)]
-async fn badly_named(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
-    let _ = (msg, tx);
-    Ok(())
+/// A handler written by hand, whose consumer name `#[idempotent]` would refuse at compile time:
+/// the runtime refuses it too.
+#[derive(Default)]
+struct BadlyNamed;
+
+impl Handler for BadlyNamed {
+    type Db = sqlx::Postgres;
+    type Message = Entry;
+    type State = ();
+    type Error = sqlx::Error;
+    const CONSUMER: &'static str = "bad name";
+
+    fn key(&self, msg: &Entry, _: &()) -> Option<String> {
+        Some(msg.key.clone())
+    }
+
+    fn handle<'a, 'c>(
+        &'a self,
+        _: Entry,
+        _: &'a mut inbox_runtime::Transaction<'c, sqlx::Postgres>,
+        _: &'a (),
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        std::future::ready(Ok(()))
+    }
 }
 
 #[idempotent(consumer = "fine", key = msg.key)]
@@ -73,7 +93,7 @@ async fn bad_configurations_are_rejected_at_build() {
         ..Default::default()
     };
     let ok = consumer(&nats, "ok", ok).await;
-    let err = refused(nats.worker(inbox.clone(), ok.clone()).build(badly_named));
+    let err = refused(nats.worker(inbox.clone(), ok.clone()).build(BadlyNamed));
     assert!(matches!(err, WorkerError::ConsumerName { .. }), "{err}");
     assert!(err.to_string().contains("\"bad name\""), "{err}");
 

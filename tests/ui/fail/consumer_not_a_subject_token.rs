@@ -1,0 +1,10 @@
+use inbox_runtime::{Tx, idempotent};
+use sqlx::Postgres;
+
+#[idempotent(consumer = "credit.v2", key = msg.id)]
+async fn credit(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg, tx);
+    Ok(())
+}
+
+include!("../uses_credit.rs");
