@@ -239,8 +239,8 @@ async fn chaos(backend: Backend, n: usize, credit: &Path, logs: &Path) -> Result
         let js = jetstream::new(inbox_testkit::connect(&nats.url).await?);
         let published = publish(&js, n, &run).await?;
         let logs = |k: usize| logs.join(format!("{}-{run}-{k}.log", backend.name()));
-        let (faults, skipped) = supervise(&config, logs, n, &mut nats, &db, &pool, &js).await?;
-        verify(backend, published, faults, skipped, &pool, &js).await
+        let (faults, skips) = supervise(&config, logs, n, &mut nats, &db, &pool, &js).await?;
+        verify(backend, published, faults, skips, &pool, &js).await
     }
     .await;
     pool.close().await;
@@ -387,10 +387,17 @@ async fn verify(
     let once = accounts(format!("id < {n} AND balance = 1")).await?;
     let twice = accounts(format!("id < {n} AND balance >= 2")).await?;
     let overdrawn = accounts(format!("id >= {n}")).await?;
-    let dead_actual = match js.get_stream(DLQ_STREAM).await {
-        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
-        Err(_) => 0,
-    };
+    // A failed audit is a failure, never a count of 0: the run always dead-letters, so the
+    // stream must exist.
+    let dead_actual = js
+        .get_stream(DLQ_STREAM)
+        .await
+        .map_err(|e| format!("dead-letter stream {DLQ_STREAM}: {e}"))?
+        .info()
+        .await
+        .map_err(|e| format!("dead-letter stream {DLQ_STREAM} info: {e}"))?
+        .state
+        .messages;
     let _ = js.delete_stream(STREAM).await;
     Ok(Report {
         backend,

@@ -6,7 +6,7 @@
 use super::dead_letter::DeadLetter;
 use super::verdict::{Verdict, retry_in_process, verdict};
 use super::{AckMode, Inner};
-use crate::classify::classify;
+use crate::classify::{ErrorClass, classify};
 use crate::handler::{Handler, Outcome};
 use crate::key::{KeyError, message_key};
 use crate::store::{Inbox, ProcessError};
@@ -62,8 +62,7 @@ where
             let limits = &self.settings.limits;
             let verdict = match self.process_with_retries(&message, &delivery).await {
                 Ok(outcome) => verdict(Ok(outcome), delivery.delivered, limits),
-                Err(err) => {
-                    let class = classify::<H::Db>(&err);
+                Err((err, class)) => {
                     let v = verdict(Err((&err, class)), delivery.delivered, limits);
                     if matches!(v, Verdict::Nak(_)) {
                         tracing::warn!(error = %err, ?class, "processing failed; nak");
@@ -146,27 +145,25 @@ where
     }
 
     /// [`Self::process`], tried again in process with a fresh transaction while
-    /// [`retry_in_process`] says so.
+    /// [`retry_in_process`] says so. A failure comes with its class, decided once.
     async fn process_with_retries(
         &self,
         message: &Message,
         delivery: &Delivery,
-    ) -> Result<Outcome, ProcessError> {
+    ) -> Result<Outcome, (ProcessError, ErrorClass)> {
         let mut attempt = 1;
         loop {
-            let result = self.process(message, &delivery.transport_id).await;
-            let retry = match &result {
-                Err(e) => retry_in_process(classify::<H::Db>(e), attempt, &self.settings.limits),
-                Ok(_) => None,
+            let err = match self.process(message, &delivery.transport_id).await {
+                Ok(outcome) => return Ok(outcome),
+                Err(err) => err,
             };
-            match (retry, result) {
-                (Some(wait), Err(e)) => {
-                    tracing::debug!(error = %e, attempt, retry_in = ?wait, "transient failure; retrying");
-                    tokio::time::sleep(wait).await;
-                    attempt += 1;
-                }
-                (_, result) => return result,
-            }
+            let class = classify::<H::Db>(&err);
+            let Some(wait) = retry_in_process(class, attempt, &self.settings.limits) else {
+                return Err((err, class));
+            };
+            tracing::debug!(error = %err, attempt, retry_in = ?wait, "transient failure; retrying");
+            tokio::time::sleep(wait).await;
+            attempt += 1;
         }
     }
 
