@@ -37,7 +37,7 @@ impl Backend for MySql {
 
     fn migration_sql(table: &TableName) -> Vec<String> {
         // Binary collation: keys "A" and "a" are different messages.
-        vec![format!(
+        let create = format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
                 consumer VARCHAR(200) NOT NULL,
@@ -51,7 +51,14 @@ impl Backend for MySql {
                 UNIQUE KEY {table}_consumer_key_uq (consumer, message_key),
                 KEY {table}_received_at_idx (received_at)
             ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
-        )]
+        );
+        // Keys are exact bytes: `utf8mb4_bin` is a PAD SPACE collation, under which "k" and
+        // "k " are one entry of the UNIQUE index, so the second message would be skipped as a
+        // duplicate. VARBINARY compares bytes, on MySQL and MariaDB alike (MySQL has no
+        // `utf8mb4_nopad_bin`). Idempotent, like every migration here: an interrupted run is
+        // repaired by running it again.
+        let exact_keys = format!("ALTER TABLE {table} MODIFY message_key VARBINARY(255) NOT NULL");
+        vec![create, exact_keys]
     }
 
     fn begin(

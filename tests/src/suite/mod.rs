@@ -50,6 +50,7 @@ mod held_race;
 mod held_race_commit;
 mod held_race_rollback;
 mod invalid_keys_are_rejected;
+mod keys_compare_as_bytes;
 mod long_handler_sends_progress;
 mod nats_restart_mid_stream;
 mod two_instances_apply_each_message_once;
