@@ -218,6 +218,12 @@ pub(crate) mod sealed {
             limit: i64,
         ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
+        /// Runs `sql`, without binds, on `pool`.
+        fn execute<'a>(
+            pool: &'a Pool<Self>,
+            sql: SqlStr,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
         /// Runs `migrator` on `pool`.
         fn run_migrator<'a>(
             pool: &'a Pool<Self>,
@@ -272,6 +278,13 @@ pub(crate) mod sealed {
                 .await
         }
 
+        async fn execute<'a>(
+            pool: &'a Pool<DB>,
+            sql: SqlStr,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::query::<DB>(sql).execute(pool).await
+        }
+
         fn run_migrator<'a>(
             pool: &'a Pool<DB>,
             migrator: &'a Migrator,
@@ -298,8 +311,23 @@ pub(crate) fn migrator<DB: InboxBackend>(table: &TableName) -> Migrator {
         })
         .collect();
     let mut migrator = Migrator::with_migrations(migrations);
-    migrator.dangerous_set_table_name(format!("_{table}_migrations"));
+    migrator.dangerous_set_table_name(migrations_table(table));
     migrator
+}
+
+/// The table that records which migrations of `table` ran.
+fn migrations_table(table: &TableName) -> String {
+    format!("_{table}_migrations")
+}
+
+/// Forgets the interrupted run of migration `version` (recorded with `success = FALSE`), so that
+/// the migrator runs it again. Only for idempotent DDL, which every migration here is.
+pub(crate) fn forget_dirty_sql(table: &TableName, version: i64) -> SqlStr {
+    let migrations = migrations_table(table);
+    AssertSqlSafe(format!(
+        "DELETE FROM {migrations} WHERE version = {version} AND success = FALSE"
+    ))
+    .into_sql_str()
 }
 
 /// Whether `err` is worth retrying with a fresh transaction: a transient database error of the

@@ -133,6 +133,19 @@ impl<DB: InboxBackend> Inbox<DB> {
         loop {
             match DB::run_migrator(&self.pool, &migrator).await {
                 Ok(()) => return Ok(()),
+                // A step that was interrupted (MySQL's DDL is not transactional, so a process
+                // killed inside it leaves the step recorded as dirty) would block every restart.
+                // Every step is idempotent: forget the dirty record and run the step again.
+                Err(sqlx::migrate::MigrateError::Dirty(version)) if attempt < 5 => {
+                    tracing::warn!(
+                        table = %self.table,
+                        version,
+                        "an earlier migration of the inbox table was interrupted; running it again"
+                    );
+                    let forget = backend::forget_dirty_sql(&self.table, version);
+                    DB::execute(&self.pool, forget).await?;
+                    attempt += 1;
+                }
                 Err(e) if attempt < 5 => {
                     tracing::debug!(error = %e, attempt, "inbox migration raced another instance; retrying");
                     tokio::time::sleep(backoff.next()).await;

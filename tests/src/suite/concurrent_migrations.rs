@@ -25,4 +25,33 @@ async fn instances_migrating_together_all_succeed<B: TestBackend>() {
     assert_eq!(outcome, Outcome::Ack);
 }
 
-super::behaviours!(instances_migrating_together_all_succeed);
+/// A migration interrupted half-way (the process killed during MySQL's non-transactional DDL)
+/// stays recorded as dirty; `migrate()` gave up with `Dirty` after five tries and `credit` exited
+/// at every start. The DDL is idempotent: the dirty step is run again.
+async fn repro_interrupted_migration_blocks_every_restart<B: TestBackend>() {
+    let db = B::create(1).await;
+    let inbox = Inbox::new(db.pool.clone());
+    inbox.migrate().await.expect("first migration");
+    // What sqlx leaves behind when the process dies inside a step: the row written as it
+    // began, with success still false.
+    B::exec(
+        &db,
+        "UPDATE _inbox_migrations SET success = FALSE WHERE version = \
+         (SELECT v FROM (SELECT max(version) AS v FROM _inbox_migrations) AS last)",
+    )
+    .await;
+    inbox
+        .migrate()
+        .await
+        .expect("a restart after an interrupted migration");
+    let dirty = "SELECT count(*) FROM _inbox_migrations WHERE success = FALSE";
+    assert_eq!(B::count(&db, dirty).await, 0);
+    let entry = crate::handlers::Entry::new("k", 1, 1);
+    let outcome = inbox.process(&B::Credit::default(), &(), entry, None).await;
+    assert_eq!(outcome.unwrap(), Outcome::Ack);
+}
+
+super::behaviours!(
+    instances_migrating_together_all_succeed,
+    repro_interrupted_migration_blocks_every_restart,
+);
