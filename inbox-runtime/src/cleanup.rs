@@ -102,26 +102,49 @@ impl<DB: InboxBackend> Inbox<DB> {
         batch: u32,
     ) -> Result<Option<u64>, sqlx::Error> {
         let lock = format!("inbox-cleanup:{}:{consumer}", self.table());
-        let mut conn = self.pool().acquire().await?;
-        if !DB::try_cleanup_lock(&mut conn, &lock).await? {
+        let mut conn = LockHolder {
+            conn: self.pool().acquire().await?,
+            locked: false,
+        };
+        if !DB::try_cleanup_lock(&mut conn.conn, &lock).await? {
             return Ok(None);
         }
+        conn.locked = true;
         let (secs, limit) = (older_than.as_secs_f64(), i64::from(batch.max(1)));
         let mut deleted = 0;
         let result = loop {
             let sql = self.sql.cleanup.clone();
-            match DB::cleanup_batch(&mut conn, sql, consumer, secs, limit).await {
+            match DB::cleanup_batch(&mut conn.conn, sql, consumer, secs, limit).await {
                 Ok(done) if DB::rows_affected(&done) == 0 => break Ok(Some(deleted)),
                 Ok(done) => deleted += DB::rows_affected(&done),
                 Err(e) => break Err(e),
             }
         };
-        if let Err(e) = DB::cleanup_unlock(&mut conn, &lock).await {
-            // A lock left on a pooled connection would stop every later cleanup: drop it.
-            tracing::warn!(error = %e, "releasing the cleanup lock failed; closing the connection");
-            let _ = conn.detach();
+        match DB::cleanup_unlock(&mut conn.conn, &lock).await {
+            Ok(()) => conn.locked = false,
+            // Still locked: the holder closes the connection rather than pool it.
+            Err(e) => {
+                tracing::warn!(error = %e, "releasing the cleanup lock failed; closing the connection")
+            }
         }
         result
+    }
+}
+
+/// The connection a cleanup runs on. The fleet lock is a *session* lock: a connection returned
+/// to the pool while still holding it (a cleanup cancelled half-way, an unlock that failed)
+/// would keep every instance from cleaning up for as long as it lives. So a connection that may
+/// still hold the lock is closed when dropped, which makes the server release it.
+struct LockHolder<DB: InboxBackend> {
+    conn: sqlx::pool::PoolConnection<DB>,
+    locked: bool,
+}
+
+impl<DB: InboxBackend> Drop for LockHolder<DB> {
+    fn drop(&mut self) {
+        if self.locked {
+            self.conn.close_on_drop();
+        }
     }
 }
 
@@ -135,6 +158,9 @@ pub(crate) struct Schedule {
 /// The rows one cleanup statement deletes at most.
 const BATCH: u32 = 1_000;
 
+/// Passes in a row without the lock after which a stuck lock is reported.
+const STUCK_AFTER: u32 = 10;
+
 /// Runs [`Inbox::cleanup`] for `consumer` on `schedule` until `shutdown`; failures are logged and
 /// retried at the next tick.
 pub(crate) async fn run_periodically<DB: InboxBackend>(
@@ -144,14 +170,35 @@ pub(crate) async fn run_periodically<DB: InboxBackend>(
     shutdown: CancellationToken,
 ) {
     let mut ticks = tokio::time::interval(schedule.every);
+    // Passes in a row in which another instance held the lock. Instances clean up in turns, so a
+    // long run of them means the lock is stuck (a session that holds it and does nothing, or a
+    // pooler that pins advisory locks to the wrong session), and cleanup has silently stopped.
+    let mut skipped = 0u32;
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => break,
             _ = ticks.tick() => {}
         }
         match inbox.cleanup(consumer, schedule.retention, BATCH).await {
-            Ok(Some(n)) if n > 0 => tracing::info!(consumer, deleted = n, "inbox cleanup"),
-            Ok(_) => {}
+            Ok(Some(n)) => {
+                skipped = 0;
+                if n > 0 {
+                    tracing::info!(consumer, deleted = n, "inbox cleanup");
+                }
+            }
+            Ok(None) => {
+                skipped += 1;
+                tracing::debug!(consumer, "another instance is cleaning up the inbox");
+                if skipped == STUCK_AFTER {
+                    tracing::warn!(
+                        consumer,
+                        passes = skipped,
+                        "another instance has held the inbox cleanup lock at every pass; if none \
+                         is cleaning up, a database session holds the lock (a transaction-mode \
+                         pooler can cause this) and markers are no longer deleted"
+                    );
+                }
+            }
             Err(e) => tracing::warn!(consumer, error = %e, "inbox cleanup failed"),
         }
     }

@@ -136,6 +136,13 @@ pub trait TestBackend: Send + Sync + 'static {
         lock: &'static str,
     ) -> impl Future<Output = ()> + Send;
 
+    /// Runs `sql` (no binds) in a transaction that stays open, holding the locks it took, until
+    /// the returned transaction is dropped or rolled back: another instance's transaction.
+    fn hold_in_transaction(
+        db: &TestDb<Self::Db>,
+        sql: &'static str,
+    ) -> impl Future<Output = sqlx::Transaction<'static, Self::Db>> + Send;
+
     /// Moves the marker of `key` two hours into the past (`received_at`), as if time had passed.
     fn backdate(db: &TestDb<Self::Db>, key: &'static str) -> impl Future<Output = ()> + Send;
 
@@ -174,6 +181,18 @@ macro_rules! common_queries {
                 .execute(pool)
                 .await
                 .unwrap_or_else(|e| panic!("{sql}: {e}"));
+        }
+
+        async fn hold_in_transaction(
+            db: &$crate::backends::TestDb<$db>,
+            sql: &'static str,
+        ) -> sqlx::Transaction<'static, $db> {
+            let mut tx = db.pool.begin().await.expect("BEGIN");
+            sqlx::query(sql)
+                .execute(&mut *tx)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            tx
         }
 
         async fn try_count(

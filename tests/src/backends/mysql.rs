@@ -48,9 +48,10 @@ impl TestBackend for MySql {
         held = Some(1),
         unlock = "DO RELEASE_LOCK(SHA2(?, 256))",
         // information_schema.innodb_trx proved unreliable on MariaDB 10.11 (it missed waiting
-        // transactions while other sessions were open): look for a claim statement still
-        // executing instead; a claim that is not blocked returns at once.
+        // transactions while other sessions were open): look for a claim (or cleanup)
+        // statement still executing instead; one that is not blocked returns at once.
         waiting_writers = "SELECT count(*) FROM information_schema.processlist \
-                           WHERE db = ? AND info LIKE 'INSERT INTO inbox %'"
+                           WHERE db = ? AND (info LIKE 'INSERT INTO inbox %' \
+                           OR info LIKE 'DELETE FROM inbox %')"
     );
 }

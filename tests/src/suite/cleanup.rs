@@ -4,7 +4,8 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
-use inbox_runtime::Outcome;
+use inbox_runtime::{Inbox, Outcome};
+use inbox_testkit::{Poll, wait_until};
 use std::time::Duration;
 
 /// Old finished markers go; recent ones and open claims stay.
@@ -100,7 +101,64 @@ async fn repro_cleanup_lock_name_too_long_for_mysql<B: TestBackend>() {
     assert_eq!(deleted, Some(0));
 }
 
+/// A cleanup cancelled while it held the fleet lock (its task aborted, its worker shutting down)
+/// returned its pooled connection still holding the session lock: no other instance could clean
+/// up again for as long as that connection lived, and nothing said so.
+async fn repro_cancelled_cleanup_keeps_the_lock<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(3).await;
+    let entry = Entry::new("old", 1, 1);
+    inbox
+        .process(&B::Credit::default(), &(), entry, None)
+        .await
+        .unwrap();
+    B::backdate(&db, "old").await;
+    if B::SINGLE_WRITER {
+        // No fleet lock: a single writer serialises cleanups by itself.
+        let lock = B::hold_cleanup_lock(&db, "inbox-cleanup:inbox:credit").await;
+        assert!(lock.is_none());
+        return;
+    }
+    // Another transaction holds the old marker's row: cleanup takes the lock, then waits in its
+    // DELETE, where it is cancelled.
+    let blocker = B::hold_in_transaction(
+        &db,
+        "UPDATE inbox SET attempts = 1 WHERE message_key = 'old'",
+    )
+    .await;
+    let cleanup = tokio::spawn({
+        let inbox = inbox.clone();
+        async move { inbox.cleanup("credit", Duration::from_secs(3600), 10).await }
+    });
+    wait_until(
+        "the cleanup to wait behind the held row",
+        Duration::from_secs(30),
+        async || B::waiting_writers(&db).await > 0,
+    )
+    .await
+    .unwrap();
+    cleanup.abort();
+    assert!(cleanup.await.unwrap_err().is_cancelled());
+    drop(blocker);
+
+    // Another instance can clean up again.
+    let other = Inbox::new(B::connect(&db.url, 1).await);
+    let mut poll = Poll::new(
+        "another instance to get the cleanup lock",
+        Duration::from_secs(30),
+    );
+    loop {
+        match other.cleanup("credit", Duration::from_secs(3600), 10).await {
+            // The cancelled DELETE may have finished on the server once the row was free.
+            Ok(Some(_)) => break,
+            Ok(None) => poll.tick().await.unwrap(),
+            Err(e) => panic!("cleanup failed: {e}"),
+        }
+    }
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
+}
+
 super::behaviours!(
+    repro_cancelled_cleanup_keeps_the_lock,
     cleanup_deletes_only_old_finished_markers,
     cleanup_runs_one_instance_at_a_time,
     repro_cleanup_lock_name_too_long_for_mysql,
