@@ -92,6 +92,8 @@ pub(crate) struct Statements {
     pub finish: SqlStr,
     /// See [`sealed::Backend::cleanup_sql`].
     pub cleanup: SqlStr,
+    /// See [`sealed::Backend::done_sql`].
+    pub done: SqlStr,
 }
 
 impl Statements {
@@ -100,6 +102,7 @@ impl Statements {
             claim: DB::claim_sql(table),
             finish: DB::finish_sql(table),
             cleanup: DB::cleanup_sql(table),
+            done: DB::done_sql(table),
         }
     }
 }
@@ -128,6 +131,10 @@ pub(crate) mod sealed {
 
         /// Sets `processed_at` on the marker whose id is bound, in the message's transaction.
         fn finish_sql(table: &TableName) -> SqlStr;
+
+        /// Returns the id of the finished marker of (consumer, key), if one is committed: after
+        /// a COMMIT whose reply was lost, whether the effect is done.
+        fn done_sql(table: &TableName) -> SqlStr;
 
         /// The migrations that create and evolve `table`, in order.
         fn migration_sql(table: &TableName) -> Vec<String>;

@@ -190,13 +190,10 @@ impl<DB: InboxBackend> Inbox<DB> {
                 source,
             })?;
         match self.process_in(&mut tx, handler, state, message, key).await {
-            Ok(Outcome::Ack) => {
-                tx.commit().await.map_err(|source| ProcessError::Database {
-                    stage: Stage::Commit,
-                    source,
-                })?;
-                Ok(Outcome::Ack)
-            }
+            Ok(Outcome::Ack) => match tx.commit().await {
+                Ok(()) => Ok(Outcome::Ack),
+                Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
+            },
             other => {
                 // A duplicate wrote nothing and a failure must leave nothing: roll back now
                 // rather than on drop, so that the connection returns to the pool clean.
@@ -204,6 +201,40 @@ impl<DB: InboxBackend> Inbox<DB> {
                     tracing::debug!(error = %e, "rollback failed; the connection is discarded");
                 }
                 other
+            }
+        }
+    }
+
+    /// COMMIT failed with `source`, and its outcome is unknown: the connection may have been
+    /// lost after the server committed, on the reply's way back. The marker, looked up on
+    /// another connection, decides: committed, the message is done ([`Outcome::Ack`]; its effect
+    /// is committed once, by this transaction or a twin's); absent, or not to be looked up, the
+    /// failure stands and is retried (where the claim decides again).
+    async fn after_failed_commit(
+        &self,
+        consumer: &str,
+        key: &str,
+        source: sqlx::Error,
+    ) -> Result<Outcome, ProcessError> {
+        let done = async {
+            let mut conn = self.pool.acquire().await?;
+            DB::fetch_id(&mut conn, self.sql.done.clone(), consumer, key).await
+        };
+        match done.await {
+            Ok(Some(_)) => {
+                tracing::info!(error = %source, "COMMIT reported an error, but the marker is committed");
+                Ok(Outcome::Ack)
+            }
+            Ok(None) => Err(ProcessError::Database {
+                stage: Stage::Commit,
+                source,
+            }),
+            Err(lookup) => {
+                tracing::debug!(error = %lookup, "looking the marker up after a failed COMMIT failed");
+                Err(ProcessError::Database {
+                    stage: Stage::Commit,
+                    source,
+                })
             }
         }
     }

@@ -1,5 +1,7 @@
 //! A TCP forwarder of the test's own, to put in front of a server and cut.
 
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -11,6 +13,8 @@ pub struct TcpProxy {
     /// The port it listens on.
     pub port: u16,
     task: Option<JoinHandle<()>>,
+    /// A request to lose the reply to; see [`TcpProxy::lose_reply_to`].
+    trap: Arc<Mutex<Option<Vec<u8>>>>,
 }
 
 impl TcpProxy {
@@ -19,6 +23,7 @@ impl TcpProxy {
         Ok(TcpProxy {
             port: crate::nats::free_port()?,
             task: None,
+            trap: Arc::default(),
         })
     }
 
@@ -28,18 +33,33 @@ impl TcpProxy {
             .await
             .map_err(|e| format!("bind the proxy port {}: {e}", self.port))?;
         let upstream = upstream.to_owned();
+        let trap = self.trap.clone();
         self.task = Some(tokio::spawn(async move {
             let mut links = JoinSet::new();
-            while let Ok((mut inbound, _)) = listener.accept().await {
-                let upstream = upstream.clone();
+            while let Ok((inbound, _)) = listener.accept().await {
+                let (upstream, trap) = (upstream.clone(), trap.clone());
                 links.spawn(async move {
-                    if let Ok(mut outbound) = TcpStream::connect(&upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    if let Ok(outbound) = TcpStream::connect(&upstream).await {
+                        forward(inbound, outbound, trap).await;
                     }
                 });
             }
         }));
         Ok(())
+    }
+
+    /// Arms a one-shot trap: the next client message that contains `needle` (a statement's
+    /// text, such as `COMMIT`) is delivered to the server, and then that client's connection is
+    /// dropped before the server's reply reaches it. The server side stays open, so the server
+    /// finishes the statement: the client sees a lost connection for a statement that took
+    /// effect.
+    pub fn lose_reply_to(&self, needle: &[u8]) {
+        *self.trap.lock().expect("the trap lock") = Some(needle.to_vec());
+    }
+
+    /// Whether the trap of [`TcpProxy::lose_reply_to`] has sprung.
+    pub fn trap_sprung(&self) -> bool {
+        self.trap.lock().expect("the trap lock").is_none()
     }
 
     /// Stops listening and drops every forwarded connection.
@@ -48,6 +68,50 @@ impl TcpProxy {
             task.abort();
         }
     }
+}
+
+/// Copies both ways between `client` and `server` until either closes, or until the trap
+/// springs: then the client is dropped, and the server's side is held open (its replies unread)
+/// until the proxy is cut.
+async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Vec<u8>>>>) {
+    let (mut client_rx, mut client_tx) = client.into_split();
+    let (mut server_rx, mut server_tx) = server.into_split();
+    let replies = tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
+    });
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match client_rx.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let sprung = {
+            let mut armed = trap.lock().expect("the trap lock");
+            let hit = armed
+                .as_deref()
+                .is_some_and(|needle| buf[..n].windows(needle.len()).any(|w| w == needle));
+            if hit {
+                *armed = None;
+            }
+            hit
+        };
+        if sprung {
+            // Stop the replies before the server can send one, close the client's socket, then
+            // deliver the statement on a server connection that stays open: the server runs it
+            // and answers into the void.
+            replies.abort();
+            let _ = replies.await;
+            drop(client_rx);
+            if server_tx.write_all(&buf[..n]).await.is_ok() {
+                std::future::pending::<()>().await;
+            }
+            return;
+        }
+        if server_tx.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    replies.abort();
 }
 
 impl Drop for TcpProxy {

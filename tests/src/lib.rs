@@ -19,6 +19,17 @@ pub fn nats_url() -> String {
     std::env::var("INBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
+/// For a server database at `url` (`scheme://user@host:port/db`), the address to forward to
+/// (`host:port`) and the same URL through a proxy on loopback port `proxy_port`.
+pub fn through_proxy(url: &str, proxy_port: u16) -> (String, String) {
+    let (head, rest) = url.split_once('@').expect("a URL with a user");
+    let (addr, path) = rest.split_once('/').expect("a URL with a database");
+    (
+        addr.to_owned(),
+        format!("{head}@127.0.0.1:{proxy_port}/{path}"),
+    )
+}
+
 /// Logs to the test's output when `RUST_LOG` is set.
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()

@@ -31,6 +31,14 @@ impl Backend for MySql {
         .into_sql_str()
     }
 
+    fn done_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "SELECT id FROM {table} WHERE consumer = ? AND message_key = ? \
+             AND processed_at IS NOT NULL"
+        ))
+        .into_sql_str()
+    }
+
     fn rows_affected(done: &sqlx::mysql::MySqlQueryResult) -> u64 {
         done.rows_affected()
     }

@@ -25,6 +25,14 @@ impl Backend for Postgres {
         .into_sql_str()
     }
 
+    fn done_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "SELECT id FROM {table} WHERE consumer = $1 AND message_key = $2 \
+             AND processed_at IS NOT NULL"
+        ))
+        .into_sql_str()
+    }
+
     fn rows_affected(done: &sqlx::postgres::PgQueryResult) -> u64 {
         done.rows_affected()
     }

@@ -29,6 +29,14 @@ impl Backend for Sqlite {
         .into_sql_str()
     }
 
+    fn done_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "SELECT id FROM {table} WHERE consumer = ?1 AND message_key = ?2 \
+             AND processed_at IS NOT NULL"
+        ))
+        .into_sql_str()
+    }
+
     fn rows_affected(done: &sqlx::sqlite::SqliteQueryResult) -> u64 {
         done.rows_affected()
     }
