@@ -72,6 +72,7 @@ pub fn classify<DB: InboxBackend>(err: &ProcessError) -> ErrorClass {
             ErrorClass::Transient
         }
         ProcessError::Database { .. } => ErrorClass::Unknown,
+        ProcessError::StreamLookup { .. } => ErrorClass::Transient,
         ProcessError::Handler(e) => classify_handler_error::<DB>(e.as_ref()),
     }
 }

@@ -60,6 +60,15 @@ pub enum ProcessError {
     /// The handler returned an error; its transaction was rolled back.
     #[error("handler failed: {0}")]
     Handler(BoxError),
+    /// The message has no `Nats-Msg-Id` and its stream, whose creation time the default key
+    /// names, could not be looked up. Transient.
+    #[error("looking up stream {stream} for the message's default key: {source}")]
+    StreamLookup {
+        /// The stream.
+        stream: String,
+        /// NATS's error.
+        source: BoxError,
+    },
     /// The handler (or its key expression) panicked; its transaction was rolled back. Permanent:
     /// the same message would panic again.
     #[error("handler panicked: {0}")]

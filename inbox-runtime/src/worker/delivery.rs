@@ -8,7 +8,7 @@ use super::verdict::{Verdict, retry_in_process, verdict};
 use super::{AckMode, Inner};
 use crate::classify::{ErrorClass, classify};
 use crate::handler::{Handler, Outcome};
-use crate::key::{KeyError, message_key};
+use crate::key::{KeyError, validate_key};
 use crate::store::{Inbox, ProcessError};
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::message::{Info, Message};
@@ -23,10 +23,81 @@ use tracing::{Instrument, field};
 
 /// Where a delivery came from, as the dead letter and the logs name it.
 struct Delivery {
-    transport_id: String,
+    /// The producer's `Nats-Msg-Id`, unless absent or empty.
+    msg_id: Option<String>,
     stream: String,
     stream_seq: u64,
     delivered: i64,
+}
+
+impl Delivery {
+    fn of(message: &Message, info: &Info<'_>) -> Delivery {
+        Delivery {
+            msg_id: message
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+                .map(|v| v.as_str())
+                // Some producers send the header empty: that is no id, not the id "".
+                .filter(|id| !id.is_empty())
+                .map(str::to_owned),
+            stream: info.stream.to_owned(),
+            stream_seq: info.stream_sequence,
+            delivered: info.delivered,
+        }
+    }
+
+    /// The transport id: the `Nats-Msg-Id`, else `"{stream}:{created}:{stream_sequence}"`, the
+    /// same for every redelivery of the stored message. A stream's sequences start again at 1
+    /// when it is deleted and created again, so its creation time (Unix nanoseconds) tells its
+    /// messages apart from those of the stream it replaced.
+    async fn transport_id(
+        &self,
+        js: &async_nats::jetstream::Context,
+        created: &StreamCreated,
+    ) -> Result<String, ProcessError> {
+        match &self.msg_id {
+            Some(id) => Ok(id.clone()),
+            None => {
+                let created = created.get(js, &self.stream).await?;
+                Ok(format!("{}:{created}:{}", self.stream, self.stream_seq))
+            }
+        }
+    }
+}
+
+/// When the consumer's stream was created, looked up once (the first time a message needs the
+/// default key) and forgotten when pulling fails, since the stream may have been replaced.
+#[derive(Debug, Default)]
+pub(super) struct StreamCreated(std::sync::Mutex<Option<i128>>);
+
+impl StreamCreated {
+    async fn get(
+        &self,
+        js: &async_nats::jetstream::Context,
+        stream: &str,
+    ) -> Result<i128, ProcessError> {
+        if let Some(created) = *self.0.lock().expect("the stream lock") {
+            return Ok(created);
+        }
+        let lookup = async { Ok::<_, async_nats::Error>(js.get_stream(stream).await?) };
+        let created = lookup
+            .await
+            .map_err(|source| ProcessError::StreamLookup {
+                stream: stream.to_owned(),
+                source,
+            })?
+            .cached_info()
+            .created
+            .unix_timestamp_nanos();
+        *self.0.lock().expect("the stream lock") = Some(created);
+        Ok(created)
+    }
+
+    /// Looks the stream up again next time.
+    pub(super) fn forget(&self) {
+        *self.0.lock().expect("the stream lock") = None;
+    }
 }
 
 impl<H> Inner<H>
@@ -39,12 +110,7 @@ where
     pub(super) async fn serve(&self, message: Message, permit: OwnedSemaphorePermit) {
         let _permit = permit;
         let delivery = match message.info() {
-            Ok(info) => Delivery {
-                transport_id: transport_id_of(&message, &info),
-                stream: info.stream.to_owned(),
-                stream_seq: info.stream_sequence,
-                delivered: info.delivered,
-            },
+            Ok(info) => Delivery::of(&message, &info),
             Err(e) => {
                 tracing::error!(error = %e, subject = %message.subject, "not a JetStream delivery; ignored");
                 return;
@@ -153,7 +219,7 @@ where
     ) -> Result<Outcome, (ProcessError, ErrorClass)> {
         let mut attempt = 1;
         loop {
-            let err = match self.process(message, &delivery.transport_id).await {
+            let err = match self.process(message, delivery).await {
                 Ok(outcome) => return Ok(outcome),
                 Err(err) => err,
             };
@@ -171,14 +237,16 @@ where
     async fn process(
         &self,
         message: &Message,
-        transport_id: &str,
+        delivery: &Delivery,
     ) -> Result<Outcome, ProcessError> {
         // A panic in the key expression or the handler is this message's failure, not the
         // worker's: caught here, it is dead-lettered like any permanent failure (uncaught, the task
         // would end with neither ack nor nak, and the message would vanish after max_deliver).
         // The transaction is dropped while unwinding, which rolls it back.
         let work = AssertUnwindSafe(async {
-            let (decoded, key) = decode_and_key(&self.handler, &self.state, message, transport_id)?;
+            let decoded = decode::<H>(message)?;
+            let explicit = self.handler.key(&decoded, &self.state);
+            let key = key_of(explicit, message, delivery, &self.stream_created).await?;
             tracing::Span::current().record("key", key.as_str());
             self.inbox
                 .process_keyed(&self.handler, &self.state, decoded, &key)
@@ -220,44 +288,43 @@ async fn nak(message: &Message, delay: Duration) {
     }
 }
 
-/// The transport id of a JetStream delivery: its `Nats-Msg-Id` header, else
-/// `"{stream}:{stream_sequence}"`, which is the same for every redelivery of the stored message.
-pub fn transport_id(message: &Message) -> Result<String, async_nats::Error> {
-    Ok(transport_id_of(message, &message.info()?))
+/// The transport id of a JetStream delivery: its `Nats-Msg-Id` header (unless empty), else
+/// `"{stream}:{created}:{stream_sequence}"`, which is the same for every redelivery of the stored
+/// message and names the stream's creation time (Unix nanoseconds), so that a stream deleted and
+/// created again does not reuse the keys of the old one. The latter costs a stream info request.
+pub async fn transport_id(message: &Message) -> Result<String, ProcessError> {
+    let info = message.info().map_err(|_| KeyError::Missing)?;
+    Delivery::of(message, &info)
+        .transport_id(&message.context, &StreamCreated::default())
+        .await
 }
 
-fn transport_id_of(message: &Message, info: &Info<'_>) -> String {
-    message
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-        .map(|v| v.as_str())
-        // Some producers send the header empty: that is no id, not the id "".
-        .filter(|id| !id.is_empty())
-        .map_or_else(
-            || format!("{}:{}", info.stream, info.stream_sequence),
-            str::to_owned,
-        )
-}
-
-/// Decodes the payload as JSON and computes the validated key.
-fn decode_and_key<H>(
-    handler: &H,
-    state: &H::State,
-    message: &Message,
-    transport_id: &str,
-) -> Result<(H::Message, String), ProcessError>
+/// Decodes the payload as JSON.
+fn decode<H>(message: &Message) -> Result<H::Message, ProcessError>
 where
     H: Handler,
     H::Message: DeserializeOwned,
 {
-    let decoded: H::Message =
-        serde_json::from_slice(&message.payload).map_err(|source| ProcessError::Decode {
-            ty: std::any::type_name::<H::Message>(),
-            source,
-        })?;
-    let key = message_key(handler, state, &decoded, Some(transport_id))?;
-    Ok((decoded, key))
+    serde_json::from_slice(&message.payload).map_err(|source| ProcessError::Decode {
+        ty: std::any::type_name::<H::Message>(),
+        source,
+    })
+}
+
+/// The validated key: `explicit` (the handler's `key` expression, evaluated before any await
+/// since the message need not be `Sync`), else the transport id.
+async fn key_of(
+    explicit: Option<String>,
+    message: &Message,
+    delivery: &Delivery,
+    created: &StreamCreated,
+) -> Result<String, ProcessError> {
+    let key = match explicit {
+        Some(key) => key,
+        None => delivery.transport_id(&message.context, created).await?,
+    };
+    validate_key(&key)?;
+    Ok(key)
 }
 
 /// Processes one JetStream delivery through `inbox` (decode, key, claim, handler, commit) without
@@ -272,7 +339,11 @@ where
     H: Handler,
     H::Message: DeserializeOwned,
 {
-    let id = transport_id(message).map_err(|_| KeyError::Missing)?;
-    let (decoded, key) = decode_and_key(handler, state, message, &id)?;
+    let info = message.info().map_err(|_| KeyError::Missing)?;
+    let delivery = Delivery::of(message, &info);
+    let decoded = decode::<H>(message)?;
+    let created = StreamCreated::default();
+    let explicit = handler.key(&decoded, state);
+    let key = key_of(explicit, message, &delivery, &created).await?;
     inbox.process_keyed(handler, state, decoded, &key).await
 }

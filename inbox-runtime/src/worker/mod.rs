@@ -97,6 +97,7 @@ struct Inner<H: Handler> {
     settings: Settings,
     counters: Counters,
     dead_letters: DeadLetters,
+    stream_created: delivery::StreamCreated,
 }
 
 impl<H: Handler> Worker<H> {
@@ -117,6 +118,7 @@ impl<H: Handler> Worker<H> {
                 settings,
                 counters: Counters::default(),
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
+                stream_created: delivery::StreamCreated::default(),
             }),
         }
     }

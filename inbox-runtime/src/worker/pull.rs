@@ -39,6 +39,7 @@ where
         let mut batch = match request.await {
             Ok(batch) => batch,
             Err(e) => {
+                inner.stream_created.forget();
                 pause(&mut backoff, shutdown, "pull request failed", e.to_string()).await;
                 continue;
             }
@@ -57,6 +58,8 @@ where
                 None => break,
                 Some(Ok(message)) => message,
                 Some(Err(e)) => {
+                    // The consumer (and its stream) may have been deleted and created again.
+                    inner.stream_created.forget();
                     pause(&mut backoff, shutdown, "pull failed", e.to_string()).await;
                     break;
                 }

@@ -198,6 +198,10 @@ mod tests {
                 source: sqlx::Error::PoolTimedOut,
             },
             ProcessError::Handler(Box::new(Transient::new("flaky downstream"))),
+            ProcessError::StreamLookup {
+                stream: "S".into(),
+                source: "request timed out".into(),
+            },
         ];
         for err in transient {
             let text = err.to_string();
