@@ -148,9 +148,14 @@ impl Config {
     }
 }
 
-/// How long markers are kept: far above the floor of the consumer credit creates (ack_wait 30 s
-/// × max_deliver 10 + the stream's duplicate window + a 1 h margin).
+/// How long markers are kept: above the floor of the consumer and stream credit creates
+/// (ack_wait 30 s × max_deliver 10 + the stream's max_age of three days + its duplicate window +
+/// a 1 h margin).
 pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The `max_age` of the stream `credit` creates: the retention floor counts it, since a replay
+/// of any stored message must still find its marker.
+pub const MAX_AGE: Duration = Duration::from_secs(3 * 24 * 3600);
 
 /// Why the example could not start.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
@@ -252,7 +257,7 @@ where
 }
 
 /// Gets or creates the stream and the durable pull consumer.
-async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Config), StartError> {
+async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Stream), StartError> {
     use async_nats::ConnectErrorKind;
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
@@ -270,6 +275,8 @@ async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Co
     let stream = js
         .get_or_create_stream(stream::Config {
             name: config.stream.clone(),
+            // Messages are kept three days, markers seven (RETENTION), above the floor.
+            max_age: MAX_AGE,
             subjects: vec![config.subject.clone()],
             ..Default::default()
         })
@@ -290,7 +297,7 @@ async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Co
         )
         .await
         .map_err(|e| format!("cannot get or create consumer {}: {e}", config.durable))?;
-    Ok((consumer, stream.cached_info().config.clone()))
+    Ok((consumer, stream))
 }
 
 /// The pool of a database server: eight connections, and no ping before every acquire (the hot
@@ -306,7 +313,7 @@ fn server_pool<DB: sqlx::Database>() -> PoolOptions<DB> {
 /// Where the worker runs, once NATS is up.
 struct Serve<'a> {
     consumer: PullConsumer,
-    stream: &'a stream::Config,
+    stream: &'a stream::Stream,
     shutdown: CancellationToken,
 }
 

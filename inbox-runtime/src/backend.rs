@@ -285,8 +285,8 @@ pub(crate) mod sealed {
                 .await
         }
 
-        async fn execute<'a>(
-            pool: &'a Pool<DB>,
+        async fn execute(
+            pool: &Pool<DB>,
             sql: SqlStr,
         ) -> Result<DB::QueryResult, sqlx::Error> {
             sqlx::query::<DB>(sql).execute(pool).await

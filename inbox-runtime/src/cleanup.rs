@@ -5,7 +5,8 @@
 
 use crate::backend::InboxBackend;
 use crate::store::Inbox;
-use async_nats::jetstream::{consumer, stream};
+use async_nats::jetstream::consumer::{self, PullConsumer};
+use async_nats::jetstream::stream::{self, RawMessageErrorKind, Stream};
 use std::fmt;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -131,6 +132,85 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
+/// Why a consumer-following cleanup pass did not run to the end.
+#[derive(Debug, thiserror::Error)]
+pub enum CleanupError {
+    /// The consumer's progress could not be read from JetStream: nothing was deleted.
+    #[error("reading the progress of consumer {durable:?}: {source}")]
+    Progress {
+        /// The durable consumer's name.
+        durable: String,
+        /// NATS's error.
+        source: async_nats::Error,
+    },
+    /// The database failed.
+    #[error("deleting old markers: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl<DB: InboxBackend> Inbox<DB> {
+    /// [`Inbox::cleanup`] with a cutoff that follows the JetStream consumer rather than the wall
+    /// clock: markers are deleted only when older than `retention` before the publish time of the
+    /// oldest message `durable` has not acked (or not yet received), so that a consumer that was
+    /// stopped or lagging for longer than the retention still finds the markers of what it has
+    /// yet to process. With nothing pending, the cutoff is `retention` ago.
+    ///
+    /// `stream` is the consumer's stream. When the consumer's progress cannot be read, nothing is
+    /// deleted.
+    pub async fn cleanup_behind(
+        &self,
+        consumer: &str,
+        durable: &PullConsumer,
+        stream: &Stream,
+        retention: Duration,
+        batch: u32,
+    ) -> Result<Option<u64>, CleanupError> {
+        let lag = consumer_lag(durable, stream)
+            .await
+            .map_err(|source| CleanupError::Progress {
+                durable: durable.cached_info().name.clone(),
+                source,
+            })?;
+        Ok(self.cleanup(consumer, retention + lag, batch).await?)
+    }
+}
+
+/// How long ago the oldest message that `durable` has not acked was published: zero when every
+/// message is acked. Conservative: the first message stored after the consumer's ack floor
+/// (of its subject, when it filters one) is at most as old as the oldest unacked one.
+async fn consumer_lag(
+    durable: &PullConsumer,
+    stream: &Stream,
+) -> Result<Duration, async_nats::Error> {
+    let info = durable.get_info().await?;
+    if info.num_pending == 0 && info.num_ack_pending == 0 {
+        return Ok(Duration::ZERO);
+    }
+    let subject = match info.config.filter_subject.as_str() {
+        "" => ">".to_owned(),
+        one => one.to_owned(),
+    };
+    let oldest = stream
+        .raw_message_builder()
+        .sequence(info.ack_floor.stream_sequence + 1)
+        .next_by_subject(subject)
+        .send()
+        .await;
+    let published = match oldest {
+        Ok(message) => message.time.unix_timestamp_nanos(),
+        // Nothing stored after the floor any more (removed by the stream's limits): nothing
+        // can be redelivered.
+        Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(Duration::ZERO),
+        Err(e) => return Err(e.into()),
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as i128;
+    let lag = u64::try_from(now - published).unwrap_or(0);
+    Ok(Duration::from_nanos(lag))
+}
+
 /// The connection a cleanup runs on. The fleet lock is a *session* lock: a connection returned
 /// to the pool while still holding it (a cleanup cancelled half-way, an unlock that failed)
 /// would keep every instance from cleaning up for as long as it lives. So a connection that may
@@ -161,11 +241,12 @@ const BATCH: u32 = 1_000;
 /// Passes in a row without the lock after which a stuck lock is reported.
 const STUCK_AFTER: u32 = 10;
 
-/// Runs [`Inbox::cleanup`] for `consumer` on `schedule` until `shutdown`; failures are logged and
-/// retried at the next tick.
+/// Runs [`Inbox::cleanup_behind`] for `consumer` (behind `durable` of `stream`) on `schedule`
+/// until `shutdown`; failures are logged and retried at the next tick.
 pub(crate) async fn run_periodically<DB: InboxBackend>(
     inbox: Inbox<DB>,
     consumer: &'static str,
+    (durable, stream): (PullConsumer, Stream),
     schedule: Schedule,
     shutdown: CancellationToken,
 ) {
@@ -179,7 +260,8 @@ pub(crate) async fn run_periodically<DB: InboxBackend>(
             _ = shutdown.cancelled() => break,
             _ = ticks.tick() => {}
         }
-        match inbox.cleanup(consumer, schedule.retention, BATCH).await {
+        let pass = inbox.cleanup_behind(consumer, &durable, &stream, schedule.retention, BATCH);
+        match pass.await {
             Ok(Some(n)) => {
                 skipped = 0;
                 if n > 0 {

@@ -53,7 +53,7 @@ pub use backend::sqlite_options;
 pub use backend::{InboxBackend, InvalidTableName, TableName, is_transient};
 pub use backoff::Backoff;
 pub use classify::{ErrorClass, Permanent, Transient, classify};
-pub use cleanup::{RetentionFloor, retention_floor};
+pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
 pub use handler::{BoxError, Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
 pub use store::{Inbox, ProcessError, Stage};

@@ -75,6 +75,8 @@ impl NatsStream {
         js.create_stream(stream::Config {
             name: stream.clone(),
             subjects: vec![subject.clone()],
+            // Finite, as the worker's cleanup requires; an hour outlives every test.
+            max_age: Duration::from_secs(3600),
             ..Default::default()
         })
         .await

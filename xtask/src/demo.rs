@@ -80,6 +80,8 @@ pub async fn run() -> Result<(), String> {
     js.get_or_create_stream(stream::Config {
         name: config.stream.clone(),
         subjects: vec![config.subject.clone()],
+        // Finite, as `credit`'s cleanup requires.
+        max_age: std::time::Duration::from_secs(3600),
         ..Default::default()
     })
     .await

@@ -60,6 +60,15 @@ pub enum WorkerError {
         /// The minimum and its figures.
         floor: RetentionFloor,
     },
+    /// Cleanup was asked for on a stream that keeps messages forever: any of them can be
+    /// replayed (a consumer reset or a new consumer) after its marker is deleted.
+    #[error(
+        "stream {stream:?} keeps messages forever (max_age 0, retention policy Limits), so a replay of any stored message could come after cleanup deleted its marker; set a max_age on the stream (and a retention above it), or accept that replays older than the retention are applied again with WorkerBuilder::allow_unlimited_stream_age()"
+    )]
+    UnlimitedStreamAge {
+        /// The stream's name.
+        stream: String,
+    },
     /// The handler's consumer name cannot be a NATS subject token (dead letters go to
     /// `<prefix>.<consumer>`).
     #[error(
@@ -82,6 +91,7 @@ pub(crate) struct Options {
     pub dead_letter_stream: String,
     pub dead_letter_prefix: String,
     pub cleanup: Option<(Duration, stream::Config)>,
+    pub unlimited_age_ok: bool,
     pub cleanup_margin: Duration,
     pub cleanup_every: Duration,
 }
@@ -97,6 +107,7 @@ impl Default for Options {
             dead_letter_stream: DEFAULT_DLQ_STREAM.to_owned(),
             dead_letter_prefix: DEFAULT_DLQ_PREFIX.to_owned(),
             cleanup: None,
+            unlimited_age_ok: false,
             cleanup_margin: Duration::from_secs(3600),
             cleanup_every: Duration::from_secs(60),
         }
@@ -168,6 +179,13 @@ pub(crate) fn check(
     let cleanup = match &options.cleanup {
         None => None,
         Some((retention, stream)) => {
+            let keeps_forever =
+                stream.max_age.is_zero() && stream.retention == stream::RetentionPolicy::Limits;
+            if keeps_forever && !options.unlimited_age_ok {
+                return Err(WorkerError::UnlimitedStreamAge {
+                    stream: stream.name.clone(),
+                });
+            }
             let floor =
                 retention_floor(config, stream, limits.longest_nak(), options.cleanup_margin);
             if *retention < floor.total() {
@@ -206,6 +224,7 @@ pub struct WorkerBuilder<DB: InboxBackend> {
     inbox: Inbox<DB>,
     consumer: PullConsumer,
     options: Options,
+    cleanup_stream: Option<stream::Stream>,
 }
 
 impl<DB: InboxBackend> WorkerBuilder<DB> {
@@ -215,6 +234,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             inbox,
             consumer,
             options: Options::default(),
+            cleanup_stream: None,
         }
     }
 
@@ -266,11 +286,27 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     }
 
     /// Deletes this handler's finished markers once they are older than `retention`, every minute,
-    /// in batches, one instance at a time. `stream` is the consumer's stream's configuration
-    /// (`stream.cached_info().config`): `build` refuses a retention shorter than the
-    /// [`retention_floor`](crate::retention_floor) of the consumer and stream, naming each figure.
-    pub fn cleanup(mut self, retention: Duration, stream: &stream::Config) -> Self {
-        self.options.cleanup = Some((retention, stream.clone()));
+    /// in batches, one instance at a time. `stream` is the consumer's stream: `build` refuses a
+    /// retention shorter than the [`retention_floor`](crate::retention_floor) of the consumer and
+    /// stream, naming each figure, and a stream that keeps messages forever (see
+    /// [`WorkerBuilder::allow_unlimited_stream_age`]).
+    ///
+    /// The cutoff follows the consumer, not the wall clock
+    /// ([`Inbox::cleanup_behind`](crate::Inbox::cleanup_behind)): a marker is kept while it is
+    /// younger than `retention` before the publish time of the oldest message the consumer has
+    /// not acked, however long the consumer was stopped or lagging.
+    pub fn cleanup(mut self, retention: Duration, stream: &stream::Stream) -> Self {
+        self.options.cleanup = Some((retention, stream.cached_info().config.clone()));
+        self.cleanup_stream = Some(stream.clone());
+        self
+    }
+
+    /// Lets [`WorkerBuilder::cleanup`] run on a stream without `max_age` (keeping messages
+    /// forever, with retention policy `Limits`), accepting that a replay of a message older than
+    /// the retention (a consumer reset, a new consumer from the start) is applied again.
+    /// Redeliveries stay covered: the cutoff follows the consumer.
+    pub fn allow_unlimited_stream_age(mut self) -> Self {
+        self.options.unlimited_age_ok = true;
         self
     }
 
@@ -322,6 +358,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             state,
             settings,
             (dead_letter_stream, dead_letter_prefix),
+            self.cleanup_stream,
         ))
     }
 }
@@ -416,6 +453,36 @@ mod tests {
     }
 
     #[test]
+    fn cleanup_on_a_stream_that_keeps_messages_forever_is_refused_unless_allowed() {
+        let forever = stream::Config {
+            name: "ORDERS".into(),
+            ..Default::default()
+        };
+        let mut o = Options {
+            cleanup: Some((Duration::from_secs(365 * 86400), forever.clone())),
+            ..Options::default()
+        };
+        let err = checked(&o, &config()).unwrap_err();
+        assert!(
+            matches!(&err, WorkerError::UnlimitedStreamAge { stream } if stream == "ORDERS"),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("max_age"), "{text}");
+        assert!(text.contains("allow_unlimited_stream_age"), "{text}");
+        o.unlimited_age_ok = true;
+        assert!(checked(&o, &config()).is_ok());
+        // A work queue or interest stream removes what was acked: nothing old to replay.
+        o.unlimited_age_ok = false;
+        let work_queue = stream::Config {
+            retention: stream::RetentionPolicy::WorkQueue,
+            ..forever
+        };
+        o.cleanup = Some((Duration::from_secs(365 * 86400), work_queue));
+        assert!(checked(&o, &config()).is_ok());
+    }
+
+    #[test]
     fn a_retention_below_the_floor_is_refused_naming_each_figure() {
         let stream = stream::Config {
             duplicate_window: Duration::from_secs(120),
@@ -423,6 +490,7 @@ mod tests {
         };
         let mut o = Options {
             cleanup_margin: Duration::from_secs(60),
+            unlimited_age_ok: true,
             ..Options::default()
         };
         // ack_wait 30 s × max_deliver 5 + duplicate window 120 s + margin 60 s = 330 s.

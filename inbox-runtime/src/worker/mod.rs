@@ -98,6 +98,8 @@ struct Inner<H: Handler> {
     counters: Counters,
     dead_letters: DeadLetters,
     stream_created: delivery::StreamCreated,
+    /// The consumer's stream, when cleanup was asked for.
+    cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -108,6 +110,7 @@ impl<H: Handler> Worker<H> {
         state: H::State,
         settings: Settings,
         (dlq_stream, dlq_prefix): (String, String),
+        cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
     ) -> Self {
         Worker {
             inner: Arc::new(Inner {
@@ -119,6 +122,7 @@ impl<H: Handler> Worker<H> {
                 counters: Counters::default(),
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
                 stream_created: delivery::StreamCreated::default(),
+                cleanup_stream,
             }),
         }
     }
@@ -161,12 +165,16 @@ where
             "inbox worker started"
         );
         let tasks = TaskTracker::new();
-        if let Some(schedule) = self.inner.settings.cleanup {
+        if let (Some(schedule), Some(stream)) =
+            (self.inner.settings.cleanup, &self.inner.cleanup_stream)
+        {
             let inbox = self.inner.inbox.clone();
+            let progress = (self.inner.consumer.clone(), stream.clone());
             let stop = shutdown.clone();
             tasks.spawn(cleanup::run_periodically(
                 inbox,
                 H::CONSUMER,
+                progress,
                 schedule,
                 stop,
             ));

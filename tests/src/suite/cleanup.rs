@@ -3,8 +3,10 @@
 
 use super::setup;
 use crate::backends::TestBackend;
-use crate::handlers::Entry;
-use inbox_runtime::{Inbox, Outcome};
+use crate::handlers::{Entry, Probe};
+use crate::{NatsStream, Running};
+use futures::StreamExt;
+use inbox_runtime::{Inbox, Outcome, process_delivery};
 use inbox_testkit::{Poll, wait_until};
 use std::time::Duration;
 
@@ -157,7 +159,75 @@ async fn repro_cancelled_cleanup_keeps_the_lock<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
 }
 
+/// Cleanup followed the wall clock: a marker older than the retention was deleted even while
+/// the consumer had not yet processed a copy of its message published with the original (the
+/// consumer stopped or lagging for longer than the retention), and the copy was applied again.
+/// The worker's cleanup now keeps what the consumer's oldest unacked message may duplicate.
+async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    // The original and a producer's retried copy, published together; no Nats-Msg-Id, so only
+    // the inbox can tell them apart.
+    let entry = Entry::new("a", 1, 1);
+    nats.publish_all([entry.json(), entry.json()]).await;
+    let (ledger, probe) = (B::Ledger::default(), Probe::open());
+    let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
+    let original = batch.next().await.expect("a delivery").unwrap();
+    let outcome = process_delivery(&inbox, &ledger, &probe, &original).await;
+    assert_eq!(outcome.unwrap(), Outcome::Ack);
+    original.double_ack().await.unwrap();
+    drop(batch);
+
+    // The consumer then stops for longer than the retention. A marker of another consumer,
+    // written now, tells when that much time has passed by the database's clock.
+    let retention = Duration::from_secs(1);
+    let clock = Entry::new("clock", 1, 1);
+    inbox
+        .process(&B::Credit::default(), &(), clock, None)
+        .await
+        .unwrap();
+    wait_until(
+        "the retention to pass",
+        Duration::from_secs(30),
+        async || inbox.cleanup("credit", retention, 10).await.unwrap() == Some(1),
+    )
+    .await
+    .unwrap();
+    let stream = nats.js.get_stream(&nats.stream).await.unwrap();
+    let pass = inbox.cleanup_behind("ledger", &consumer, &stream, retention, 10);
+    assert_eq!(
+        pass.await.unwrap(),
+        Some(0),
+        "the copy still needs the marker"
+    );
+
+    // The consumer comes back: the copy finds the marker.
+    let worker = nats
+        .worker(inbox.clone(), consumer.clone())
+        .build_with_state(ledger, probe)
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!((stats.acked, stats.skipped), (0, 1), "{stats:?}");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
+
+    // Nothing pending any more: the marker goes once it is older than the retention.
+    wait_until(
+        "the marker to be cleaned up",
+        Duration::from_secs(30),
+        async || {
+            let pass = inbox.cleanup_behind("ledger", &consumer, &stream, retention, 10);
+            pass.await.unwrap() == Some(1)
+        },
+    )
+    .await
+    .unwrap();
+}
+
 super::behaviours!(
+    repro_cleanup_deletes_markers_a_lagging_consumer_needs,
     repro_cancelled_cleanup_keeps_the_lock,
     cleanup_deletes_only_old_finished_markers,
     cleanup_runs_one_instance_at_a_time,
