@@ -6,6 +6,7 @@ use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::fmt;
 use std::future::Future;
+use std::time::Duration;
 
 #[cfg(feature = "mysql")]
 mod mysql;
@@ -94,11 +95,14 @@ pub(crate) struct Statements {
     pub cleanup: SqlStr,
     /// See [`sealed::Backend::done_sql`].
     pub done: SqlStr,
+    /// See [`sealed::Backend::begin_sql`].
+    pub begin: SqlStr,
 }
 
 impl Statements {
-    pub(crate) fn new<DB: InboxBackend>(table: &TableName) -> Self {
+    pub(crate) fn new<DB: InboxBackend>(table: &TableName, lock_timeout: Duration) -> Self {
         Statements {
+            begin: DB::begin_sql(lock_timeout),
             claim: DB::claim_sql(table),
             finish: DB::finish_sql(table),
             cleanup: DB::cleanup_sql(table),
@@ -153,16 +157,27 @@ pub(crate) mod sealed {
             false
         }
 
+        /// Whether a database error says the connection or the server is gone (the server
+        /// shutting down, the session killed, a connection failure): see
+        /// [`is_outage`](crate::classify::is_outage).
+        fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+
         /// Whether a database error is transient (serialization failure, deadlock, lock timeout,
         /// busy, connection killed): the same message may succeed in a fresh transaction.
         fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;
 
-        /// Begins the transaction a message is processed in.
+        /// The statement that begins a message's transaction, waiting at most `lock_timeout`
+        /// for any lock (a twin blocked behind a frozen peer's transaction must not wait for as
+        /// long as TCP keepalive allows).
+        fn begin_sql(lock_timeout: Duration) -> SqlStr;
+
+        /// Begins the transaction a message is processed in with `sql` ([`Backend::begin_sql`]).
         fn begin(
             pool: &Pool<Self>,
+            sql: SqlStr,
         ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_
         {
-            pool.begin()
+            pool.begin_with(sql)
         }
 
         /// Inserts the marker for (`consumer`, `key`) in `tx`, answering whether it was new. A
@@ -285,10 +300,7 @@ pub(crate) mod sealed {
                 .await
         }
 
-        async fn execute(
-            pool: &Pool<DB>,
-            sql: SqlStr,
-        ) -> Result<DB::QueryResult, sqlx::Error> {
+        async fn execute(pool: &Pool<DB>, sql: SqlStr) -> Result<DB::QueryResult, sqlx::Error> {
             sqlx::query::<DB>(sql).execute(pool).await
         }
 

@@ -73,7 +73,41 @@ pub fn classify<DB: InboxBackend>(err: &ProcessError) -> ErrorClass {
         }
         ProcessError::Database { .. } => ErrorClass::Unknown,
         ProcessError::StreamLookup { .. } => ErrorClass::Transient,
+        // Stuck (a frozen peer holding the key, a handler that hangs): redelivered later, with a
+        // delay, rather than tried again at once.
+        ProcessError::Deadline(_) => ErrorClass::Unknown,
         ProcessError::Handler(e) => classify_handler_error::<DB>(e.as_ref()),
+    }
+}
+
+/// Whether `err` says the database cannot be reached at all (a lost or refused connection, a
+/// pool that cannot connect, a server shutting down): a failure that every message would meet,
+/// not this message's. The worker then waits for the database instead of spending deliveries.
+pub(crate) fn is_outage<DB: InboxBackend>(err: &ProcessError) -> bool {
+    match err {
+        ProcessError::Database { source, .. } => is_connection_error::<DB>(source),
+        ProcessError::Handler(e) => {
+            let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
+            while let Some(e) = next {
+                if let Some(sqlx_err) = e.downcast_ref::<sqlx::Error>() {
+                    return is_connection_error::<DB>(sqlx_err);
+                }
+                next = e.source();
+            }
+            false
+        }
+        _ => false,
+    }
+}
+
+fn is_connection_error<DB: InboxBackend>(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(e) => DB::is_connection_error(e.as_ref()),
+        _ => false,
     }
 }
 
@@ -110,4 +144,38 @@ fn classify_handler_error<DB: InboxBackend>(
         next = e.source();
     }
     ErrorClass::Unknown
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod tests {
+    use super::*;
+    use crate::store::Stage;
+
+    #[test]
+    fn an_unreachable_database_is_an_outage_and_a_deadlock_is_not() {
+        type Pg = sqlx::Postgres;
+        let refused = || sqlx::Error::Io(std::io::ErrorKind::ConnectionRefused.into());
+        let outage = [
+            ProcessError::Database {
+                stage: Stage::Begin,
+                source: sqlx::Error::PoolTimedOut,
+            },
+            ProcessError::Database {
+                stage: Stage::Commit,
+                source: refused(),
+            },
+            ProcessError::Handler(Box::new(refused())),
+        ];
+        for err in &outage {
+            assert!(is_outage::<Pg>(err), "{err}");
+        }
+        let not = [
+            ProcessError::Handler("plain".into()),
+            ProcessError::Handler(Box::new(Transient::new("flaky downstream"))),
+            ProcessError::Deadline(std::time::Duration::from_secs(1)),
+        ];
+        for err in &not {
+            assert!(!is_outage::<Pg>(err), "{err}");
+        }
+    }
 }

@@ -56,10 +56,10 @@ pub use classify::{ErrorClass, Permanent, Transient, classify};
 pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
 pub use handler::{BoxError, Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
-pub use store::{Inbox, ProcessError, Stage};
+pub use store::{DEFAULT_LOCK_TIMEOUT, Inbox, ProcessError, Stage};
 pub use worker::{
-    AckMode, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, Stats, Worker, WorkerBuilder, WorkerError,
-    process_delivery, transport_id,
+    AckMode, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, Stats, Worker,
+    WorkerBuilder, WorkerError, process_delivery, transport_id,
 };
 
 /// Makes an `async fn` an idempotent message handler.

@@ -11,6 +11,9 @@ use std::fmt;
 use std::time::Duration;
 use tracing::Instrument;
 
+/// How long a message's transaction waits for a lock by default: see [`Inbox::lock_timeout`].
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The step of the inbox protocol at which the database failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stage {
@@ -69,6 +72,10 @@ pub enum ProcessError {
         /// NATS's error.
         source: BoxError,
     },
+    /// Processing did not finish within the worker's per-delivery deadline; its transaction was
+    /// rolled back. Redelivered with a delay.
+    #[error("processing did not finish within the deadline of {0:?}")]
+    Deadline(Duration),
     /// The handler (or its key expression) panicked; its transaction was rolled back. Permanent:
     /// the same message would panic again.
     #[error("handler panicked: {0}")]
@@ -115,10 +122,22 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// An inbox in `table`.
     pub fn with_table(pool: Pool<DB>, table: TableName) -> Self {
         Inbox {
-            sql: Statements::new::<DB>(&table),
+            sql: Statements::new::<DB>(&table, DEFAULT_LOCK_TIMEOUT),
             pool,
             table,
         }
+    }
+
+    /// How long a message's transaction waits for a lock (default 30 s): PostgreSQL's
+    /// `lock_timeout` (which is unlimited by default), MySQL's `innodb_lock_wait_timeout` (whole
+    /// seconds). A twin whose claim waits behind the transaction of a frozen peer (stopped,
+    /// partitioned) then fails with a transient error and is redelivered later, instead of
+    /// holding its slot for as long as TCP keepalive allows. SQLite waits for its write lock as
+    /// long as the connection's busy timeout (see [`sqlite_options`](crate::sqlite_options)).
+    /// Keep it below the worker's [deadline](crate::WorkerBuilder::deadline).
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.sql = Statements::new::<DB>(&self.table, timeout);
+        self
     }
 
     /// The pool messages are processed on.
@@ -192,7 +211,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         message: H::Message,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
-        let mut tx = DB::begin(&self.pool)
+        let mut tx = DB::begin(&self.pool, self.sql.begin.clone())
             .await
             .map_err(|source| ProcessError::Database {
                 stage: Stage::Begin,

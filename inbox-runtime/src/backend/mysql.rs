@@ -6,12 +6,13 @@
 //! Inbox transactions run at READ COMMITTED. Under REPEATABLE READ (InnoDB's default) the
 //! business statements take gap and next-key locks on ranges they scan, so concurrent handlers
 //! deadlock far more often; the inbox needs no repeatable reads, since the unique key decides.
-//! The isolation level is set in the same round trip as `START TRANSACTION`.
+//! The isolation level and the lock wait timeout are set in the same round trip as `START
+//! TRANSACTION`.
 
 use super::TableName;
 use super::sealed::{Backend, Claim};
-use sqlx::{AssertSqlSafe, MySql, Pool, SqlSafeStr, SqlStr, Transaction};
-use std::future::Future;
+use sqlx::{AssertSqlSafe, MySql, SqlSafeStr, SqlStr, Transaction};
+use std::time::Duration;
 
 impl Backend for MySql {
     const NAME: &'static str = "MySQL";
@@ -69,10 +70,21 @@ impl Backend for MySql {
         vec![create, exact_keys]
     }
 
-    fn begin(
-        pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_ {
-        pool.begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+    fn begin_sql(lock_timeout: Duration) -> SqlStr {
+        // InnoDB's lock wait timeout is in whole seconds, at least 1.
+        let secs = lock_timeout.as_secs().max(1);
+        AssertSqlSafe(format!(
+            "SET SESSION innodb_lock_wait_timeout = {secs}; \
+             SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+        ))
+        .into_sql_str()
+    }
+
+    fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 1053 server shutdown, 1927 connection killed (MariaDB), 2006 gone away, 2013 lost
+        // connection, 4031 idle timeout.
+        err.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|e| matches!(e.number(), 1053 | 1927 | 2006 | 2013 | 4031))
     }
 
     async fn claim<'a, 'c>(

@@ -1,10 +1,11 @@
 //! PostgreSQL: `INSERT ... ON CONFLICT DO NOTHING RETURNING id` claims (the default claim); a
 //! unique violation would abort the whole transaction (25P02), so duplicates must be an answer,
-//! never an error. The default `BEGIN` is READ COMMITTED.
+//! never an error. Transactions are READ COMMITTED (the default) with a `lock_timeout`.
 
 use super::TableName;
 use super::sealed::Backend;
 use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr, SqlStr};
+use std::time::Duration;
 
 impl Backend for Postgres {
     const NAME: &'static str = "PostgreSQL";
@@ -58,6 +59,19 @@ impl Backend for Postgres {
         // SQLSTATE class 22, data exception: invalid byte sequence or NUL in text (22021),
         // numeric value out of range (22003), string too long (22001), division by zero (22012).
         err.code().is_some_and(|c| c.starts_with("22"))
+    }
+
+    fn begin_sql(lock_timeout: Duration) -> SqlStr {
+        // In the BEGIN's own round trip; LOCAL ends with the transaction.
+        let ms = lock_timeout.as_millis().max(1);
+        AssertSqlSafe(format!("BEGIN; SET LOCAL lock_timeout = {ms}")).into_sql_str()
+    }
+
+    fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 57P01-03: the server is shutting down, crashed or not yet accepting connections (the
+        // session was terminated); class 08: connection exceptions.
+        err.code()
+            .is_some_and(|c| matches!(&*c, "57P01" | "57P02" | "57P03") || c.starts_with("08"))
     }
 
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {

@@ -5,8 +5,8 @@
 
 use super::TableName;
 use super::sealed::Backend;
-use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Sqlite, Transaction};
-use std::future::Future;
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr, Sqlite};
+use std::time::Duration;
 
 /// A timestamp with milliseconds, as ISO 8601 text that sorts as time does.
 const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
@@ -58,10 +58,15 @@ impl Backend for Sqlite {
         )]
     }
 
-    fn begin(
-        pool: &Pool<Self>,
-    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_ {
-        pool.begin_with("BEGIN IMMEDIATE")
+    fn begin_sql(_lock_timeout: Duration) -> SqlStr {
+        // The only lock is the database's write lock, and a connection waits for it as long as
+        // its busy timeout (`sqlite_options`: 30 s), then fails with SQLITE_BUSY.
+        SqlStr::from_static("BEGIN IMMEDIATE")
+    }
+
+    fn is_connection_error(_: &dyn sqlx::error::DatabaseError) -> bool {
+        // In-process: no connection to lose.
+        false
     }
 
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {

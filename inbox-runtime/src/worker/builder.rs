@@ -86,6 +86,7 @@ pub(crate) struct Options {
     pub concurrency: Option<usize>,
     pub ack_mode: AckMode,
     pub fetch_expiry: Duration,
+    pub deadline: Duration,
     pub nak_delay: Backoff,
     pub attempts: u32,
     pub dead_letter_stream: String,
@@ -102,6 +103,7 @@ impl Default for Options {
             concurrency: None,
             ack_mode: AckMode::default(),
             fetch_expiry: Duration::from_secs(2),
+            deadline: DEFAULT_DEADLINE,
             nak_delay: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             attempts: 3,
             dead_letter_stream: DEFAULT_DLQ_STREAM.to_owned(),
@@ -121,11 +123,16 @@ pub(crate) struct Settings {
     pub concurrency: usize,
     pub ack_mode: AckMode,
     pub fetch_expiry: Duration,
+    /// How long one try of a delivery may take.
+    pub deadline: Duration,
     /// Progress acks while a handler runs longer than this (a third of `ack_wait`).
     pub progress_every: Duration,
     pub limits: Limits,
     pub cleanup: Option<Schedule>,
 }
+
+/// How long one try of a delivery may take by default: see [`WorkerBuilder::deadline`].
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 
 /// The `ack_wait` the server applies when the consumer leaves it at zero.
 const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
@@ -204,6 +211,7 @@ pub(crate) fn check(
         concurrency: concurrency.max(1),
         ack_mode: options.ack_mode,
         fetch_expiry: options.fetch_expiry,
+        deadline: options.deadline,
         progress_every: (ack_wait / 3).max(Duration::from_millis(100)),
         limits,
         cleanup,
@@ -255,6 +263,17 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// for a pull in progress, so that messages it brings are nak'd rather than left to `ack_wait`.
     pub fn fetch_expiry(mut self, expiry: Duration) -> Self {
         self.options.fetch_expiry = expiry;
+        self
+    }
+
+    /// How long one try of a delivery may take, claim, handler and commit together (default
+    /// 5 minutes). Progress acks keep a slow handler's message from being redelivered, so
+    /// without a bound a handler that hangs, or a claim waiting behind a frozen peer, would hold
+    /// its slot (and shutdown) indefinitely. Past the deadline the try is dropped, which rolls
+    /// its transaction back, and the message is nak'd with a delay (dead-lettered at
+    /// `max_deliver`). Keep the inbox's [lock timeout](crate::Inbox::lock_timeout) below it.
+    pub fn deadline(mut self, deadline: Duration) -> Self {
+        self.options.deadline = deadline.max(Duration::from_millis(1));
         self
     }
 

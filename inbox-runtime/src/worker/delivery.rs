@@ -6,7 +6,8 @@
 use super::dead_letter::DeadLetter;
 use super::verdict::{Verdict, retry_in_process, verdict};
 use super::{AckMode, Inner};
-use crate::classify::{ErrorClass, classify};
+use crate::backoff::Backoff;
+use crate::classify::{ErrorClass, classify, is_outage};
 use crate::handler::{Handler, Outcome};
 use crate::key::{KeyError, validate_key};
 use crate::store::{Inbox, ProcessError};
@@ -15,10 +16,12 @@ use async_nats::jetstream::message::{Info, Message};
 use futures::FutureExt;
 use serde::de::DeserializeOwned;
 use std::any::Any;
+use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
+use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 /// Where a delivery came from, as the dead letter and the logs name it.
@@ -107,7 +110,12 @@ where
 {
     /// Processes one delivery and answers JetStream according to the verdict; the permit is
     /// released when it is done.
-    pub(super) async fn serve(&self, message: Message, permit: OwnedSemaphorePermit) {
+    pub(super) async fn serve(
+        &self,
+        message: Message,
+        permit: OwnedSemaphorePermit,
+        shutdown: CancellationToken,
+    ) {
         let _permit = permit;
         let delivery = match message.info() {
             Ok(info) => Delivery::of(&message, &info),
@@ -126,7 +134,8 @@ where
         );
         async {
             let limits = &self.settings.limits;
-            let verdict = match self.process_with_retries(&message, &delivery).await {
+            let tries = self.process_with_retries(&message, &delivery, &shutdown);
+            let verdict = match with_progress(&message, self.settings.progress_every, tries).await {
                 Ok(outcome) => verdict(Ok(outcome), delivery.delivered, limits),
                 Err((err, class)) => {
                     let v = verdict(Err((&err, class)), delivery.delivered, limits);
@@ -211,19 +220,40 @@ where
     }
 
     /// [`Self::process`], tried again in process with a fresh transaction while
-    /// [`retry_in_process`] says so. A failure comes with its class, decided once.
+    /// [`retry_in_process`] says so, and for as long as the database is unreachable (see
+    /// `circuit.rs`; until `shutdown`). A failure comes with its class, decided once.
     async fn process_with_retries(
         &self,
         message: &Message,
         delivery: &Delivery,
+        shutdown: &CancellationToken,
     ) -> Result<Outcome, (ProcessError, ErrorClass)> {
         let mut attempt = 1;
+        let mut outage = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            let err = match self.process(message, delivery).await {
-                Ok(outcome) => return Ok(outcome),
-                Err(err) => err,
+            let deadline = self.settings.deadline;
+            let tried = tokio::time::timeout(deadline, self.process(message, delivery)).await;
+            let err = match tried {
+                Ok(Ok(outcome)) => {
+                    self.circuit.close();
+                    return Ok(outcome);
+                }
+                Ok(Err(err)) => err,
+                Err(_) => ProcessError::Deadline(deadline),
             };
             let class = classify::<H::Db>(&err);
+            if is_outage::<H::Db>(&err) {
+                // Every message would fail the same way: not this one's fault, so it spends no
+                // delivery. It waits, and its next try probes the database.
+                self.circuit.trip(&err);
+                let wait = outage.next();
+                tracing::debug!(error = %err, retry_in = ?wait, "database unreachable; waiting");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err((err, class)),
+                    _ = tokio::time::sleep(wait) => continue,
+                }
+            }
+            self.circuit.close();
             let Some(wait) = retry_in_process(class, attempt, &self.settings.limits) else {
                 return Err((err, class));
             };
@@ -233,7 +263,7 @@ where
         }
     }
 
-    /// Decodes, keys and processes the message, sending progress acks while it runs long.
+    /// Decodes, keys and processes the message once.
     async fn process(
         &self,
         message: &Message,
@@ -243,7 +273,7 @@ where
         // worker's: caught here, it is dead-lettered like any permanent failure (uncaught, the task
         // would end with neither ack nor nak, and the message would vanish after max_deliver).
         // The transaction is dropped while unwinding, which rolls it back.
-        let work = AssertUnwindSafe(async {
+        AssertUnwindSafe(async {
             let decoded = decode::<H>(message)?;
             let explicit = self.handler.key(&decoded, &self.state);
             let key = key_of(explicit, message, delivery, &self.stream_created).await?;
@@ -253,20 +283,22 @@ where
                 .await
         })
         .catch_unwind()
-        .map(|caught| {
-            caught.unwrap_or_else(|panic| Err(ProcessError::Panicked(panic_text(&*panic))))
-        });
-        tokio::pin!(work);
-        let every = self.settings.progress_every;
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        loop {
-            tokio::select! {
-                result = &mut work => return result,
-                _ = ticks.tick() => {
-                    // A slow but healthy handler must not be redelivered to another instance.
-                    if let Err(e) = message.ack_with(AckKind::Progress).await {
-                        tracing::debug!(error = %e, "progress ack failed");
-                    }
+        .await
+        .unwrap_or_else(|panic| Err(ProcessError::Panicked(panic_text(&*panic))))
+    }
+}
+
+/// Runs `work`, sending a progress ack every `every` while it runs: a slow but healthy handler,
+/// or a message waiting for the database, must not be redelivered to another instance.
+async fn with_progress<T>(message: &Message, every: Duration, work: impl Future<Output = T>) -> T {
+    tokio::pin!(work);
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            result = &mut work => return result,
+            _ = ticks.tick() => {
+                if false && let Err(e) = message.ack_with(AckKind::Progress).await {
+                    tracing::debug!(error = %e, "progress ack failed");
                 }
             }
         }

@@ -4,15 +4,17 @@
 //! One concept per file: `builder` (options and the start-time check), `pull` (permits, pull
 //! requests, shutdown), `delivery` (one message: decode, key, process, retries, progress acks,
 //! carrying out the verdict), `verdict` (the pure decision), `dead_letter` (the dead-letter
-//! stream). This file holds the [`Worker`] handle, its counters and `run_until`.
+//! stream), `circuit` (pulling paused while the database is unreachable). This file holds the
+//! [`Worker`] handle, its counters and `run_until`.
 
 mod builder;
+mod circuit;
 mod dead_letter;
 mod delivery;
 mod pull;
 mod verdict;
 
-pub use builder::{AckMode, WorkerBuilder, WorkerError};
+pub use builder::{AckMode, DEFAULT_DEADLINE, WorkerBuilder, WorkerError};
 pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
 pub use delivery::{process_delivery, transport_id};
 
@@ -98,6 +100,7 @@ struct Inner<H: Handler> {
     counters: Counters,
     dead_letters: DeadLetters,
     stream_created: delivery::StreamCreated,
+    circuit: circuit::Circuit,
     /// The consumer's stream, when cleanup was asked for.
     cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
 }
@@ -122,6 +125,7 @@ impl<H: Handler> Worker<H> {
                 counters: Counters::default(),
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
                 stream_created: delivery::StreamCreated::default(),
+                circuit: circuit::Circuit::default(),
                 cleanup_stream,
             }),
         }

@@ -30,6 +30,12 @@ where
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
     let mut client = None;
     while let Some(mut free) = free_permits(&permits, concurrency, shutdown).await {
+        // While the database is unreachable, nothing new is fetched (see `circuit.rs`).
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            _ = inner.circuit.closed() => {}
+        }
         let request = inner
             .consumer
             .batch()
@@ -68,8 +74,8 @@ where
             client.get_or_insert_with(|| message.context.client());
             match free.pop() {
                 Some(permit) if !stopping => {
-                    let inner = inner.clone();
-                    tasks.spawn(async move { inner.serve(message, permit).await });
+                    let (inner, shutdown) = (inner.clone(), shutdown.clone());
+                    tasks.spawn(async move { inner.serve(message, permit, shutdown).await });
                 }
                 // Fetched but not started: give it back at once rather than let it wait out
                 // ack_wait.

@@ -339,6 +339,15 @@ mod tests {
     }
 
     #[test]
+    fn a_try_past_its_deadline_is_nakd_with_a_delay_not_retried_at_once() {
+        let err = || ProcessError::Deadline(Duration::from_secs(300));
+        let (v, tries) = hears(err(), 1, &limits());
+        assert_eq!((v, tries), (Verdict::Nak(Duration::from_secs(1)), 1));
+        let (v, _) = hears(err(), 5, &limits());
+        assert!(is_dead_letter(&v), "{v:?}");
+    }
+
+    #[test]
     fn unknown_inbox_database_errors_wait_for_an_operator() {
         // A missing inbox table, say: redelivered with a delay until max_deliver.
         let err = ProcessError::Database {

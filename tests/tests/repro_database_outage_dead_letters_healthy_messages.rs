@@ -1,0 +1,87 @@
+//! The database is unreachable (a proxy between the worker and the server, cut) for longer than
+//! `max_deliver` deliveries take. Every failure was nak'd like any other, so healthy messages ran
+//! out of deliveries and were dead-lettered. Now the worker sees that the database cannot be
+//! reached at all, stops pulling, and holds what it has (with progress acks, spending no
+//! delivery) until the database answers: afterwards every message is applied once and the
+//! dead-letter stream is empty. SQLite is in-process: it has no outage of this kind.
+
+use inbox_runtime::Inbox;
+use inbox_testkit::{TcpProxy, wait_until};
+use inbox_tests::backends::TestBackend;
+use inbox_tests::handlers::{Entry, Probe};
+use inbox_tests::{MAX_DELIVER, NatsStream, Running};
+use sqlx::pool::PoolOptions;
+use std::time::Duration;
+
+const MESSAGES: i64 = 40;
+
+async fn outage_dead_letters_nothing<B: TestBackend>() {
+    let db = B::create(2).await;
+    Inbox::new(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    // A short ack_wait: without progress acks, held messages would be redelivered at once.
+    let ack_wait = Duration::from_secs(2);
+    let consumer = nats.consumer("c", ack_wait).await;
+    nats.publish_all((0..MESSAGES).map(|i| Entry::new(format!("m-{i}"), i, 1).json()))
+        .await;
+
+    let mut proxy = TcpProxy::reserve().unwrap();
+    let (upstream, url) = inbox_tests::through_proxy(&db.url, proxy.port);
+    proxy.start(&upstream).await.unwrap();
+    // Fail fast while the database is away, as a production pool would.
+    let pool = PoolOptions::<B::Db>::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(500))
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .expect("connect through the proxy");
+    // Naks that come back at once: MAX_DELIVER deliveries take a second or two.
+    let worker = nats
+        .worker(Inbox::new(pool), consumer)
+        .nak_delay(Duration::from_millis(50), Duration::from_millis(100))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    // Take the database away with work still to do.
+    proxy.lose_reply_to(b"INSERT INTO ledger");
+    wait_until("the cut to happen", Duration::from_secs(60), async || {
+        proxy.trap_sprung()
+    })
+    .await
+    .unwrap();
+    proxy.cut();
+    // The outage lasts far longer than MAX_DELIVER quick naks, or ack_wait, would take.
+    let outage = ack_wait * (MAX_DELIVER as u32 + 2);
+    tokio::time::sleep(outage).await;
+    let during = B::count(&db, "SELECT count(*) FROM ledger").await;
+    assert!(during < MESSAGES, "everything was applied before the cut");
+    proxy.start(&upstream).await.unwrap();
+
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    let letters = nats.dead_letters().await;
+    assert!(
+        letters.is_empty(),
+        "{} healthy messages dead-lettered during the outage: {stats:?}",
+        letters.len()
+    );
+    assert_eq!(stats.terminated, 0, "{stats:?}");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, MESSAGES);
+    let distinct = "SELECT count(DISTINCT msg_key) FROM ledger";
+    assert_eq!(B::count(&db, distinct).await, MESSAGES);
+}
+
+/// The test on each server backend, in a module named after it.
+macro_rules! on_backend {
+    ($($name:ident: $backend:ty),+) => {$(
+        mod $name {
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn outage_dead_letters_nothing() {
+                super::outage_dead_letters_nothing::<$backend>().await
+            }
+        }
+    )+};
+}
+
+on_backend!(postgres: inbox_tests::backends::Postgres, mysql: inbox_tests::backends::MySql);
