@@ -2,7 +2,11 @@
 //!
 //! Environment: `NATS_URL`, `DATABASE_URL`, `CREDIT_STREAM`, `CREDIT_SUBJECT`, `CREDIT_CONSUMER`
 //! (see `inbox_examples::Config`). Stops cleanly on SIGINT or SIGTERM.
+//!
+//! Never prints a credential: every log line, the final error and a panic's message are scrubbed
+//! of the passwords and tokens in `NATS_URL` and `DATABASE_URL` (see `inbox_examples::redact`).
 
+use inbox_examples::redact::ScrubbedStderr;
 use inbox_examples::{Config, run};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
@@ -10,12 +14,18 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
+    let config = Config::from_env();
+    let secrets = config.secrets();
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
-        .with_writer(std::io::stderr)
+        .with_writer(ScrubbedStderr::new(secrets.clone()))
         .init();
+    let on_panic = secrets.clone();
+    std::panic::set_hook(Box::new(move |panic| {
+        eprintln!("credit: {}", on_panic.scrub(&panic.to_string()));
+    }));
 
     let shutdown = CancellationToken::new();
     let on_signal = shutdown.clone();
@@ -38,7 +48,7 @@ async fn main() -> std::process::ExitCode {
         on_signal.cancel();
     });
 
-    match run(&Config::from_env(), shutdown).await {
+    match run(&config, shutdown).await {
         Ok(stats) => {
             // One machine-readable line for scripts such as `cargo xtask demo`.
             println!(
@@ -48,7 +58,7 @@ async fn main() -> std::process::ExitCode {
             std::process::ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("credit: {e}");
+            eprintln!("credit: {}", secrets.scrub(&e.to_string()));
             std::process::ExitCode::FAILURE
         }
     }
