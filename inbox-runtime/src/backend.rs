@@ -97,18 +97,43 @@ pub(crate) struct Statements {
     pub done: SqlStr,
     /// See [`sealed::Backend::begin_sql`].
     pub begin: SqlStr,
+    /// Binds consumer, headers (JSON), payload: parks a dead letter in `<table>_dead_letters`.
+    pub park: SqlStr,
+    /// Binds consumer: the oldest parked letters (id, headers, payload).
+    pub parked: SqlStr,
+    /// Binds id: forgets a parked letter once the dead-letter stream has it.
+    pub unpark: SqlStr,
 }
 
 impl Statements {
     pub(crate) fn new<DB: InboxBackend>(table: &TableName, lock_timeout: Duration) -> Self {
         Statements {
             begin: DB::begin_sql(lock_timeout),
+            park: sql(format!(
+                "INSERT INTO {table}_dead_letters (consumer, headers, payload) VALUES ({}, {}, {})",
+                DB::param(1),
+                DB::param(2),
+                DB::param(3)
+            )),
+            parked: sql(format!(
+                "SELECT id, headers, payload FROM {table}_dead_letters WHERE consumer = {} \
+                 ORDER BY id LIMIT 100",
+                DB::param(1)
+            )),
+            unpark: sql(format!(
+                "DELETE FROM {table}_dead_letters WHERE id = {}",
+                DB::param(1)
+            )),
             claim: DB::claim_sql(table),
             finish: DB::finish_sql(table),
             cleanup: DB::cleanup_sql(table),
             done: DB::done_sql(table),
         }
     }
+}
+
+fn sql(text: String) -> SqlStr {
+    AssertSqlSafe(text).into_sql_str()
 }
 
 pub(crate) mod sealed {
@@ -139,6 +164,9 @@ pub(crate) mod sealed {
         /// Returns the id of the finished marker of (consumer, key), if one is committed: after
         /// a COMMIT whose reply was lost, whether the effect is done.
         fn done_sql(table: &TableName) -> SqlStr;
+
+        /// The `n`th bind placeholder (from 1) in this dialect: `$1`, `?` or `?1`.
+        fn param(n: usize) -> String;
 
         /// The migrations that create and evolve `table`, in order.
         fn migration_sql(table: &TableName) -> Vec<String>;
@@ -240,6 +268,29 @@ pub(crate) mod sealed {
             limit: i64,
         ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
+        /// Runs `sql` ([`Statements::park`]) on `pool`.
+        fn park<'a>(
+            pool: &'a Pool<Self>,
+            sql: SqlStr,
+            consumer: &'a str,
+            headers: &'a str,
+            payload: &'a [u8],
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` ([`Statements::parked`]) on `pool`.
+        fn parked<'a>(
+            pool: &'a Pool<Self>,
+            sql: SqlStr,
+            consumer: &'a str,
+        ) -> impl Future<Output = Result<Vec<(i64, String, Vec<u8>)>, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` binding `id` on `pool`.
+        fn execute_id_on<'a>(
+            pool: &'a Pool<Self>,
+            sql: SqlStr,
+            id: i64,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
         /// Runs `sql`, without binds, on `pool`.
         fn execute<'a>(
             pool: &'a Pool<Self>,
@@ -262,6 +313,8 @@ pub(crate) mod sealed {
         for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
         for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
         for<'q> f64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+        for<'r> (i64, String, Vec<u8>): sqlx::FromRow<'r, DB::Row>,
         usize: sqlx::ColumnIndex<DB::Row>,
     {
         async fn fetch_id<'a>(
@@ -298,6 +351,36 @@ pub(crate) mod sealed {
                 .bind(limit)
                 .execute(conn)
                 .await
+        }
+
+        async fn park<'a>(
+            pool: &'a Pool<DB>,
+            sql: SqlStr,
+            consumer: &'a str,
+            headers: &'a str,
+            payload: &'a [u8],
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            let query = sqlx::query::<DB>(sql).bind(consumer).bind(headers);
+            query.bind(payload).execute(pool).await
+        }
+
+        async fn parked<'a>(
+            pool: &'a Pool<DB>,
+            sql: SqlStr,
+            consumer: &'a str,
+        ) -> Result<Vec<(i64, String, Vec<u8>)>, sqlx::Error> {
+            sqlx::query_as::<DB, (i64, String, Vec<u8>)>(sql)
+                .bind(consumer)
+                .fetch_all(pool)
+                .await
+        }
+
+        async fn execute_id_on(
+            pool: &Pool<DB>,
+            sql: SqlStr,
+            id: i64,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::query::<DB>(sql).bind(id).execute(pool).await
         }
 
         async fn execute(pool: &Pool<DB>, sql: SqlStr) -> Result<DB::QueryResult, sqlx::Error> {

@@ -267,6 +267,47 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
+    /// Keeps a dead letter (its headers and payload) in `<table>_dead_letters`, until
+    /// [`Inbox::parked_letters`] hands it to a publisher.
+    pub(crate) async fn park_letter(
+        &self,
+        consumer: &str,
+        headers: &[(String, String)],
+        payload: &[u8],
+    ) -> Result<(), sqlx::Error> {
+        let headers = serde_json::to_string(headers).expect("strings serialize");
+        DB::park(
+            &self.pool,
+            self.sql.park.clone(),
+            consumer,
+            &headers,
+            payload,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The oldest letters parked for `consumer`: (id, headers, payload).
+    pub(crate) async fn parked_letters(
+        &self,
+        consumer: &str,
+    ) -> Result<Vec<(i64, Vec<(String, String)>, Vec<u8>)>, sqlx::Error> {
+        let rows = DB::parked(&self.pool, self.sql.parked.clone(), consumer).await?;
+        rows.into_iter()
+            .map(|(id, headers, payload)| {
+                let headers =
+                    serde_json::from_str(&headers).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+                Ok((id, headers, payload))
+            })
+            .collect()
+    }
+
+    /// Forgets parked letter `id`.
+    pub(crate) async fn unpark_letter(&self, id: i64) -> Result<(), sqlx::Error> {
+        DB::execute_id_on(&self.pool, self.sql.unpark.clone(), id).await?;
+        Ok(())
+    }
+
     /// Claims `key` and runs the handler inside `tx`, a transaction (or savepoint) the caller owns
     /// and commits. On [`Outcome::Skip`] or an error the caller must roll `tx` back.
     pub async fn process_in<'c, H: Handler<Db = DB>>(

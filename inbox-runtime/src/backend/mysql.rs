@@ -67,7 +67,23 @@ impl Backend for MySql {
         // `utf8mb4_nopad_bin`). Idempotent, like every migration here: an interrupted run is
         // repaired by running it again.
         let exact_keys = format!("ALTER TABLE {table} MODIFY message_key VARBINARY(255) NOT NULL");
-        vec![create, exact_keys]
+        // Dead letters that no stream would take on a message's last delivery, kept until the
+        // worker can publish them.
+        let dead_letters = format!(
+            "CREATE TABLE IF NOT EXISTS {table}_dead_letters (
+                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                consumer VARCHAR(200) NOT NULL,
+                headers MEDIUMTEXT NOT NULL,
+                payload LONGBLOB NOT NULL,
+                stored_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+                KEY {table}_dl_idx (consumer, id)
+            ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
+        );
+        vec![create, exact_keys, dead_letters]
+    }
+
+    fn param(_: usize) -> String {
+        "?".to_owned()
     }
 
     fn begin_sql(lock_timeout: Duration) -> SqlStr {

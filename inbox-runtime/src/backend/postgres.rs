@@ -39,8 +39,9 @@ impl Backend for Postgres {
     }
 
     fn migration_sql(table: &TableName) -> Vec<String> {
-        vec![format!(
-            "CREATE TABLE IF NOT EXISTS {table} (
+        vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
                 id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
                 consumer VARCHAR(200) NOT NULL,
                 message_key VARCHAR(255) NOT NULL,
@@ -52,7 +53,24 @@ impl Backend for Postgres {
                 CONSTRAINT {table}_consumer_key_uq UNIQUE (consumer, message_key)
             );
             CREATE INDEX IF NOT EXISTS {table}_received_at_idx ON {table} (received_at);"
-        )]
+            ),
+            format!(
+                // Dead letters that no stream would take on a message's last delivery, kept until
+                // the worker can publish them.
+                "CREATE TABLE IF NOT EXISTS {table}_dead_letters (
+                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                consumer VARCHAR(200) NOT NULL,
+                headers TEXT NOT NULL,
+                payload BYTEA NOT NULL,
+                stored_at TIMESTAMPTZ NOT NULL DEFAULT now()
+            );
+            CREATE INDEX IF NOT EXISTS {table}_dl_idx ON {table}_dead_letters (consumer, id);"
+            ),
+        ]
+    }
+
+    fn param(n: usize) -> String {
+        format!("${n}")
     }
 
     fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {

@@ -55,7 +55,22 @@ impl Backend for Sqlite {
                 CONSTRAINT {table}_consumer_key_uq UNIQUE (consumer, message_key)
             );
             CREATE INDEX IF NOT EXISTS {table}_received_at_idx ON {table} (received_at);"
+        ), format!(
+            // Dead letters that no stream would take on a message's last delivery, kept until
+            // the worker can publish them.
+            "CREATE TABLE IF NOT EXISTS {table}_dead_letters (
+                id INTEGER PRIMARY KEY AUTOINCREMENT,
+                consumer TEXT NOT NULL,
+                headers TEXT NOT NULL,
+                payload BLOB NOT NULL,
+                stored_at TEXT NOT NULL DEFAULT ({NOW})
+            );
+            CREATE INDEX IF NOT EXISTS {table}_dl_idx ON {table}_dead_letters (consumer, id);"
         )]
+    }
+
+    fn param(n: usize) -> String {
+        format!("?{n}")
     }
 
     fn begin_sql(_lock_timeout: Duration) -> SqlStr {

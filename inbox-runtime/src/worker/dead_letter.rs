@@ -1,12 +1,16 @@
 //! Dead letters: a rejected message is published, with its payload and headers and the reason,
 //! to `<prefix>.<consumer>` in a stream of its own (created on first use). The caller terms the
 //! original only once [`DeadLetters::publish`] returns `Ok`, that is once JetStream has stored
-//! the letter; on `Err` it naks, so that nothing rejected is ever lost.
+//! the letter; on `Err` it naks, so that nothing rejected is ever lost. On the last delivery a
+//! nak would never be redelivered: there the letter is parked in the database instead (then the
+//! original is termed), and [`relay_parked`] publishes it once the stream takes it.
 
+use crate::backend::InboxBackend;
+use crate::store::Inbox;
 use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
-use async_nats::jetstream::message::Message;
-use async_nats::jetstream::stream;
+use async_nats::jetstream::{self, message::Message, stream};
+use bytes::Bytes;
 use tokio::sync::OnceCell;
 
 /// The default dead-letter stream.
@@ -52,7 +56,19 @@ impl DeadLetters {
         message: &Message,
         letter: &DeadLetter<'_>,
     ) -> Result<(), async_nats::Error> {
-        let js = &message.context;
+        let headers = letter_headers(message.headers.as_ref(), letter);
+        self.send(&message.context, headers, message.payload.clone())
+            .await
+    }
+
+    /// Publishes a letter already composed (by [`letter_headers`]) and waits until JetStream has
+    /// stored it; too large for the server, it is stored truncated (see [`fit`]).
+    pub(crate) async fn send(
+        &self,
+        js: &jetstream::Context,
+        headers: HeaderMap,
+        payload: Bytes,
+    ) -> Result<(), async_nats::Error> {
         self.ready
             .get_or_try_init(|| async {
                 js.get_or_create_stream(stream::Config {
@@ -64,9 +80,10 @@ impl DeadLetters {
                 .map(|_| ())
             })
             .await?;
-        let headers = letter_headers(message.headers.as_ref(), letter);
+        let max = js.client().server_info().max_payload;
+        let (headers, payload) = fit(headers, payload, max);
         let ack = js
-            .publish_with_headers(self.subject.clone(), headers, message.payload.clone())
+            .publish_with_headers(self.subject.clone(), headers, payload)
             .await?
             .await?;
         if ack.duplicate {
@@ -78,11 +95,97 @@ impl DeadLetters {
     }
 }
 
+/// A letter's headers as stored in the database, and back.
+pub(crate) fn header_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .flat_map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values
+                .iter()
+                .map(move |v| (name.to_owned(), v.as_str().to_owned()))
+        })
+        .collect()
+}
+
+fn header_map(pairs: &[(String, String)]) -> HeaderMap {
+    let mut headers = HeaderMap::new();
+    for (name, value) in pairs {
+        headers.append(name.as_str(), value.as_str());
+    }
+    headers
+}
+
+/// Publishes every letter parked for `consumer` in the database (on a last delivery whose
+/// letter no stream would take) and forgets each once JetStream has stored it. A letter
+/// published twice (two instances relaying at once, a crash before forgetting) keeps its msg-id:
+/// the dead-letter stream drops the copy within its duplicate window. Returns how many went out.
+pub(crate) async fn relay_parked<DB: InboxBackend>(
+    inbox: &Inbox<DB>,
+    letters: &DeadLetters,
+    js: &jetstream::Context,
+    consumer: &str,
+) -> Result<usize, async_nats::Error> {
+    let mut sent = 0;
+    for (id, headers, payload) in inbox.parked_letters(consumer).await? {
+        letters
+            .send(js, header_map(&headers), Bytes::from(payload))
+            .await?;
+        inbox.unpark_letter(id).await?;
+        sent += 1;
+    }
+    Ok(sent)
+}
+
+/// The letter as it fits within the server's `max_payload` (headers and payload together): as it
+/// is when it fits; else its payload cut, with `Inbox-Truncated: <original length>` (the letter
+/// still names the original's stream and sequence, to fetch it whole); and when the original's
+/// headers alone are too large, without them too.
+fn fit(headers: HeaderMap, payload: Bytes, max: usize) -> (HeaderMap, Bytes) {
+    if wire_len(&headers) + payload.len() <= max {
+        return (headers, payload);
+    }
+    let mut cut = headers;
+    cut.insert(TRUNCATED, payload.len().to_string().as_str());
+    if wire_len(&cut) >= max {
+        let ours: HeaderMap = cut
+            .iter()
+            .filter(|(name, _)| {
+                let name: &str = name.as_ref();
+                name.starts_with("Inbox-") || name.eq_ignore_ascii_case("Nats-Msg-Id")
+            })
+            .flat_map(|(name, values)| values.iter().map(move |v| (name.clone(), v.clone())))
+            .fold(HeaderMap::new(), |mut h, (name, value)| {
+                h.append(name, value);
+                h
+            });
+        cut = ours;
+    }
+    let room = max.saturating_sub(wire_len(&cut));
+    let payload = payload.slice(..room.min(payload.len()));
+    (cut, payload)
+}
+
+/// The header block's size on the wire: `NATS/1.0\r\n`, each `name: value\r\n`, `\r\n`.
+fn wire_len(headers: &HeaderMap) -> usize {
+    let mut len = "NATS/1.0\r\n\r\n".len();
+    for (name, values) in headers.iter() {
+        let name: &str = name.as_ref();
+        for value in values {
+            len += name.len() + ": \r\n".len() + value.as_str().len();
+        }
+    }
+    len
+}
+
+/// The header a truncated letter carries: the original payload's length.
+const TRUNCATED: &str = "Inbox-Truncated";
+
 /// The letter's headers: the original's, except the JetStream control headers (`Nats-*`: an
 /// expected stream, last sequence or msg-id, a rollup, a TTL, meant for the original's stream,
 /// would make the dead-letter stream reject or drop the letter; the original's msg-id is kept as
 /// `Inbox-Original-Msg-Id`), then ours.
-fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'_>) -> HeaderMap {
+pub(crate) fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'_>) -> HeaderMap {
     let mut headers = HeaderMap::new();
     for (name, values) in original.into_iter().flat_map(HeaderMap::iter) {
         let name: &str = name.as_ref();
@@ -185,6 +288,31 @@ mod tests {
             },
         );
         assert_ne!(a.get(NATS_MESSAGE_ID), b.get(NATS_MESSAGE_ID));
+    }
+
+    #[test]
+    fn a_letter_too_large_is_cut_to_fit_and_says_so() {
+        let max = 4096;
+        let small = letter_headers(None, &letter());
+        let (h, p) = fit(small.clone(), Bytes::from(vec![b'x'; 100]), max);
+        assert!(h.get(TRUNCATED).is_none());
+        assert_eq!(p.len(), 100);
+
+        let (h, p) = fit(small, Bytes::from(vec![b'x'; 10_000]), max);
+        assert_eq!(h.get(TRUNCATED).unwrap().as_str(), "10000");
+        assert_eq!(h.get("Inbox-Stream-Seq").unwrap().as_str(), "9");
+        assert!(wire_len(&h) + p.len() <= max, "{}", wire_len(&h) + p.len());
+        assert!(p.len() > 3000, "as much as fits is kept: {}", p.len());
+
+        // The original's own headers too large: only ours stay.
+        let mut original = HeaderMap::new();
+        original.insert("X-Big", "v".repeat(5000).as_str());
+        let big = letter_headers(Some(&original), &letter());
+        let (h, p) = fit(big, Bytes::from(vec![b'x'; 10]), max);
+        assert!(h.get("X-Big").is_none());
+        assert_eq!(h.get(TRUNCATED).unwrap().as_str(), "10");
+        assert_eq!(h.get(NATS_MESSAGE_ID).unwrap().as_str(), "dlq:orders:S:9");
+        assert!(wire_len(&h) + p.len() <= max);
     }
 
     #[test]

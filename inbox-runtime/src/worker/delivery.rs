@@ -3,7 +3,7 @@
 //! progress acks while a handler runs long, then carry out the verdict: ack, nak with a delay, or
 //! dead-letter and term. Nothing here decides; `verdict.rs` does.
 
-use super::dead_letter::DeadLetter;
+use super::dead_letter::{DeadLetter, header_pairs, letter_headers};
 use super::verdict::{Verdict, retry_in_process, verdict};
 use super::{AckMode, Inner};
 use crate::backoff::Backoff;
@@ -108,15 +108,16 @@ where
     H: Handler,
     H::Message: DeserializeOwned,
 {
-    /// Processes one delivery and answers JetStream according to the verdict; the permit is
-    /// released when it is done.
+    /// Processes one delivery and answers JetStream according to the verdict; the permit (none
+    /// for a last delivery that arrived while stopping) is released when it is done.
     pub(super) async fn serve(
         &self,
         message: Message,
-        permit: OwnedSemaphorePermit,
+        permit: Option<OwnedSemaphorePermit>,
         shutdown: CancellationToken,
     ) {
         let _permit = permit;
+        self.jetstream.get_or_init(|| message.context.clone());
         let delivery = match message.info() {
             Ok(info) => Delivery::of(&message, &info),
             Err(e) => {
@@ -199,8 +200,34 @@ where
                         }
                         &counters.terminated
                     }
+                    // Never lose it. On the last delivery a nak would never come back: the letter
+                    // waits in the database for the stream to take it, and the original is termed.
+                    Err(e) if delivery.delivered >= self.settings.limits.max_deliver => {
+                        let headers =
+                            header_pairs(&letter_headers(message.headers.as_ref(), &letter));
+                        match self
+                            .inbox
+                            .park_letter(H::CONSUMER, &headers, &message.payload)
+                            .await
+                        {
+                            Ok(()) => {
+                                outcome("dead_letter");
+                                tracing::error!(error = %reason, publish_error = %e, "dead letter refused by the stream on the last delivery; kept in the database until the stream takes it, message terminated");
+                                if let Err(e) = message.ack_with(AckKind::Term).await {
+                                    tracing::warn!(error = %e, "term failed after parking the dead letter");
+                                }
+                                &counters.terminated
+                            }
+                            Err(db) => {
+                                outcome("nak");
+                                tracing::error!(error = %reason, publish_error = %e, database_error = %db, stream_seq = delivery.stream_seq, "dead letter neither published nor kept on the last delivery: the message stays in its stream, unacknowledged, and is not redelivered");
+                                nak(message, Duration::from_secs(1)).await;
+                                &counters.nacked
+                            }
+                        }
+                    }
+                    // Leave it with JetStream and try again later.
                     Err(e) => {
-                        // Never lose it: leave it with JetStream and try again later.
                         outcome("nak");
                         tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
                         let delay = self.settings.limits.redelivery_delay(delivery.delivered);
@@ -297,7 +324,7 @@ async fn with_progress<T>(message: &Message, every: Duration, work: impl Future<
         tokio::select! {
             result = &mut work => return result,
             _ = ticks.tick() => {
-                if false && let Err(e) = message.ack_with(AckKind::Progress).await {
+                if let Err(e) = message.ack_with(AckKind::Progress).await {
                     tracing::debug!(error = %e, "progress ack failed");
                 }
             }

@@ -101,6 +101,8 @@ struct Inner<H: Handler> {
     dead_letters: DeadLetters,
     stream_created: delivery::StreamCreated,
     circuit: circuit::Circuit,
+    /// JetStream, as the first message brought it (a consumer does not expose its own).
+    jetstream: std::sync::OnceLock<async_nats::jetstream::Context>,
     /// The consumer's stream, when cleanup was asked for.
     cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
 }
@@ -126,6 +128,7 @@ impl<H: Handler> Worker<H> {
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
                 stream_created: delivery::StreamCreated::default(),
                 circuit: circuit::Circuit::default(),
+                jetstream: std::sync::OnceLock::new(),
                 cleanup_stream,
             }),
         }
@@ -183,6 +186,7 @@ where
                 stop,
             ));
         }
+        tasks.spawn(relay_parked_letters(self.inner.clone(), shutdown.clone()));
         let client = pull::run(&self.inner, &shutdown, &tasks).await;
         tasks.close();
         tasks.wait().await;
@@ -194,5 +198,37 @@ where
         let stats = self.stats();
         tracing::info!(consumer = H::CONSUMER, ?stats, "inbox worker stopped");
         stats
+    }
+}
+
+/// How often parked dead letters are retried.
+const RELAY_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Publishes the dead letters parked in the database for this handler's consumer (see
+/// `dead_letter.rs`) every few seconds, once a message has brought a JetStream context, until
+/// `shutdown`.
+async fn relay_parked_letters<H: Handler>(inner: Arc<Inner<H>>, shutdown: CancellationToken) {
+    let mut ticks = tokio::time::interval(RELAY_EVERY);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = ticks.tick() => {}
+        }
+        let Some(js) = inner.jetstream.get() else {
+            continue;
+        };
+        let relayed =
+            dead_letter::relay_parked(&inner.inbox, &inner.dead_letters, js, H::CONSUMER).await;
+        match relayed {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(
+                consumer = H::CONSUMER,
+                letters = n,
+                "parked dead letters published"
+            ),
+            Err(e) => {
+                tracing::debug!(consumer = H::CONSUMER, error = %e, "parked dead letters not published yet")
+            }
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Pulling: as many messages as there are free permits (never more than can start now), one task
 //! per message holding its permit, pull errors waited out with capped backoff, and on shutdown a
-//! nak for every message fetched but not started, so that it goes to another instance at once.
+//! nak for every message fetched but not started, so that it goes to another instance as soon as
+//! the pull it came on has expired (or, on its last delivery, is served to the end).
 
 use super::Inner;
 use crate::backoff::Backoff;
@@ -36,6 +37,7 @@ where
             _ = shutdown.cancelled() => break,
             _ = inner.circuit.closed() => {}
         }
+        let (requested, pulled_at, mut received) = (free.len(), tokio::time::Instant::now(), 0);
         let request = inner
             .consumer
             .batch()
@@ -71,20 +73,35 @@ where
                 }
             };
             backoff.reset();
+            received += 1;
             client.get_or_insert_with(|| message.context.client());
-            match free.pop() {
-                Some(permit) if !stopping => {
-                    let (inner, shutdown) = (inner.clone(), shutdown.clone());
-                    tasks.spawn(async move { inner.serve(message, permit, shutdown).await });
+            let last = message
+                .info()
+                .is_ok_and(|i| i.delivered >= inner.settings.limits.max_deliver);
+            let permit = free.pop();
+            if stopping && !last {
+                // Fetched but not started: given back rather than left to wait out ack_wait. A
+                // pull that has not brought all it asked for stays open at the server until it
+                // expires, and a nak without delay would bring the message straight back to it,
+                // spending a delivery each time until max_deliver: the delay outlasts the pull.
+                let delay = if received >= requested {
+                    None
+                } else {
+                    let open_for = inner
+                        .settings
+                        .fetch_expiry
+                        .saturating_sub(pulled_at.elapsed());
+                    Some(open_for + Duration::from_millis(100))
+                };
+                if let Err(e) = message.ack_with(AckKind::Nak(delay)).await {
+                    tracing::debug!(error = %e, "nak on shutdown failed");
                 }
-                // Fetched but not started: give it back at once rather than let it wait out
-                // ack_wait.
-                _ => {
-                    if let Err(e) = message.ack_with(AckKind::Nak(None)).await {
-                        tracing::debug!(error = %e, "nak on shutdown failed");
-                    }
-                }
+                continue;
             }
+            // Served, also while stopping when this is its last delivery: a nak would never be
+            // redelivered, so it is processed (or dead-lettered) to the end, and shutdown waits.
+            let (inner, shutdown) = (inner.clone(), shutdown.clone());
+            tasks.spawn(async move { inner.serve(message, permit, shutdown).await });
         }
     }
     client

@@ -4,7 +4,8 @@
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Probe;
-use crate::{NatsStream, Running};
+use crate::{MAX_DELIVER, NatsStream, Running};
+use async_nats::jetstream::stream;
 use inbox_testkit::wait_until;
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -89,7 +90,113 @@ async fn repro_foreign_control_headers_block_the_dead_letter<B: TestBackend>() {
     assert_eq!(h.get("Traceparent").unwrap().as_str(), "00-abc-def-01");
 }
 
+/// On the last delivery, a letter the dead-letter stream would not take (it was down, full,
+/// or, here, did not hold the letters' subject) was nak'd like on any other: but JetStream
+/// never redelivers after `max_deliver`, so the message vanished without a trace. Now the letter
+/// is kept in the database, the original termed, and the worker publishes the letter as soon as
+/// the stream takes it.
+async fn repro_unstorable_letter_on_the_last_delivery_is_lost<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    // The dead-letter stream exists, but listens elsewhere: every letter finds no stream.
+    let parked = |subject: String| stream::Config {
+        name: nats.dlq_stream.clone(),
+        subjects: vec![subject],
+        ..Default::default()
+    };
+    let elsewhere = format!("elsewhere.{}", nats.stream.to_lowercase());
+    nats.js.create_stream(parked(elsewhere)).await.unwrap();
+    nats.publish_all([b"{ not json".to_vec()]).await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .nak_delay(Duration::from_millis(10), Duration::from_millis(10))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until(
+        "the message to be terminated",
+        Duration::from_secs(60),
+        async || worker.stats().terminated == 1,
+    )
+    .await
+    .unwrap();
+    let kept = "SELECT count(*) FROM inbox_dead_letters";
+    assert_eq!(
+        B::count(&db, kept).await,
+        1,
+        "the letter is kept in the database"
+    );
+    assert!(nats.dead_letters().await.is_empty());
+    let info = nats.info("c").await;
+    assert_eq!(info.delivered.consumer_sequence, MAX_DELIVER as u64);
+    assert_eq!(info.ack_floor.stream_sequence, 1, "the original is termed");
+
+    // The stream takes letters again: the kept one is published, once, and forgotten.
+    let letters = format!("{}.>", nats.dlq_prefix);
+    nats.js.update_stream(parked(letters)).await.unwrap();
+    wait_until(
+        "the kept letter to be published",
+        Duration::from_secs(60),
+        async || B::count(&db, kept).await == 0,
+    )
+    .await
+    .unwrap();
+    run.stop().await;
+    let letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    let (payload, headers) = &letters[0];
+    assert_eq!(payload, b"{ not json");
+    assert_eq!(headers.get("Inbox-Consumer").unwrap().as_str(), "ledger");
+    assert_eq!(
+        headers.get("Inbox-Delivered").unwrap().as_str(),
+        MAX_DELIVER.to_string()
+    );
+    assert!(headers.get("Inbox-Error").is_some());
+}
+
+/// A message whose payload is close to the server's `max_payload` got a letter with headers
+/// added that no longer fit: every publish failed, and after `max_deliver` the message was
+/// gone. Now the letter is stored with its payload cut and `Inbox-Truncated` giving the
+/// original length (its stream and sequence say where to fetch it whole).
+async fn repro_letter_too_large_for_the_server_is_lost<B: TestBackend>() {
+    let (_db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let max = nats.client.server_info().max_payload;
+    let mut poison = b"{ not json ".to_vec();
+    poison.resize(max - 64, b'x');
+    nats.publish_all([poison.clone()]).await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until("the dead letter", Duration::from_secs(60), async || {
+        worker.stats().terminated == 1
+    })
+    .await
+    .unwrap();
+    let stats = run.stop().await;
+    assert_eq!(
+        stats.nacked, 0,
+        "the letter was refused at first: {stats:?}"
+    );
+    let letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    let (payload, headers) = &letters[0];
+    assert_eq!(
+        headers.get("Inbox-Truncated").unwrap().as_str(),
+        poison.len().to_string()
+    );
+    assert!(payload.len() < poison.len() && poison.starts_with(payload));
+    assert_eq!(headers.get("Inbox-Stream").unwrap().as_str(), nats.stream);
+    assert_eq!(headers.get("Inbox-Stream-Seq").unwrap().as_str(), "1");
+}
+
 super::behaviours!(
+    repro_unstorable_letter_on_the_last_delivery_is_lost,
+    repro_letter_too_large_for_the_server_is_lost,
     repro_dead_letters_of_two_consumers_collide,
     repro_foreign_control_headers_block_the_dead_letter,
 );

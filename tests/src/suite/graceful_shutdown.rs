@@ -179,7 +179,67 @@ async fn shutdown_gives_back_what_a_pull_brings<B: TestBackend>() {
     assert_eq!(nats.info("c").await.delivered.consumer_sequence, 5);
 }
 
+/// Concurrency 8, one handler held: the seven free permits are one pull request for seven
+/// messages, open at the server as the shutdown begins. One message published then is brought by
+/// that pull and nak'd without delay, so the server delivered it straight back to the same open
+/// pull, again and again: five deliveries (max_deliver) within moments, and the message was gone,
+/// neither applied nor dead-lettered. Now the nak's delay outlasts the pull.
+async fn repro_shutdown_nak_spends_every_delivery<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(8).await;
+    let nats = NatsStream::create().await;
+    nats.consumer("c", ACK_WAIT).await;
+    nats.publish_all([Entry::new("m-0", 1, 1).json()]).await;
+    let first = nats
+        .worker(inbox.clone(), nats.consumer_on_new_connection("c").await)
+        .concurrency(8)
+        .fetch_expiry(Duration::from_secs(5))
+        .build_with_state(B::Ledger::default(), Probe::held(false))
+        .unwrap();
+    let run = Running::start(&first);
+    tokio::time::timeout(Duration::from_secs(30), first.state().entered())
+        .await
+        .expect("the handler did not start within 30 s");
+    wait_until(
+        "the free permits' pull request to wait at the server",
+        Duration::from_secs(30),
+        async || {
+            let info = nats.info("c").await;
+            (info.num_waiting, info.num_ack_pending) == (1, 1)
+        },
+    )
+    .await
+    .unwrap();
+    run.cancel();
+    nats.publish_all([Entry::new("m-1", 1, 1).json()]).await;
+    wait_until(
+        "the open pull to bring m-1",
+        Duration::from_secs(30),
+        async || nats.info("c").await.delivered.consumer_sequence >= 2,
+    )
+    .await
+    .unwrap();
+    first.state().release();
+    let stats = run.join().await;
+    assert_eq!(stats.acked, 1, "{stats:?}");
+
+    let second = nats
+        .worker(inbox, nats.consumer_on_new_connection("c").await)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&second);
+    wait_until("the next instance to apply m-1", BACK_WITHIN, async || {
+        B::count(&db, "SELECT count(*) FROM ledger").await == 2
+    })
+    .await
+    .unwrap();
+    run.stop().await;
+    // m-0 once; m-1 to the first instance (nak'd) and to the second.
+    assert_eq!(nats.info("c").await.delivered.consumer_sequence, 3);
+    assert!(nats.dead_letters().await.is_empty());
+}
+
 super::behaviours!(
+    repro_shutdown_nak_spends_every_delivery,
     shutdown_finishes_in_flight_and_leaves_the_rest,
     shutdown_gives_back_what_a_pull_brings,
 );
