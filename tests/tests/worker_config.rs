@@ -1,6 +1,6 @@
 //! A worker refuses, at start and with an error naming the problem, what would break its
 //! guarantees later: a consumer that redelivers forever, acks that are not explicit, a consumer
-//! name that cannot be a subject token.
+//! name that cannot be a subject token, two handlers sharing a consumer name.
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use inbox_runtime::{Handler, Tx, WorkerError, idempotent};
@@ -37,6 +37,13 @@ impl Handler for BadlyNamed {
 
 #[idempotent(consumer = "fine", key = msg.key)]
 async fn fine(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg, tx);
+    Ok(())
+}
+
+/// Another handler that took the name `fine`: in one process it would skip `fine`'s messages.
+#[idempotent(consumer = "fine", key = msg.key)]
+async fn also_fine(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
     let _ = (msg, tx);
     Ok(())
 }
@@ -134,5 +141,22 @@ async fn bad_configurations_are_rejected_at_build() {
             .build(fine),
     );
     assert!(matches!(err, WorkerError::ZeroConcurrency), "{err}");
-    assert!(nats.worker(inbox, ok).build(fine).is_ok());
+    assert!(nats.worker(inbox.clone(), ok.clone()).build(fine).is_ok());
+
+    // Two handlers with one consumer name in one process: the second is refused, naming both.
+    // The same handler again (another instance of it) is not.
+    let err = refused(nats.worker(inbox.clone(), ok.clone()).build(also_fine));
+    assert!(matches!(err, WorkerError::ConsumerTaken { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("also_fine") && text.contains("::fine"),
+        "{text}"
+    );
+    assert!(nats.worker(inbox.clone(), ok.clone()).build(fine).is_ok());
+    // On another inbox table the name is free.
+    let other = inbox_runtime::Inbox::with_table(
+        db.pool.clone(),
+        inbox_runtime::TableName::new("inbox_other").unwrap(),
+    );
+    assert!(nats.worker(other, ok).build(also_fine).is_ok());
 }

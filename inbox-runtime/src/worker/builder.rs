@@ -7,6 +7,7 @@ use super::Worker;
 use super::dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
 use super::verdict::Limits;
 use crate::backend::InboxBackend;
+use crate::backend::TableName;
 use crate::backoff::Backoff;
 use crate::cleanup::{RetentionFloor, Schedule, retention_floor};
 use crate::handler::Handler;
@@ -14,6 +15,9 @@ use crate::store::Inbox;
 use async_nats::jetstream::consumer::{self, AckPolicy, PullConsumer};
 use async_nats::jetstream::stream;
 use serde::de::DeserializeOwned;
+use std::any::TypeId;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
 use std::time::Duration;
 
 /// How a committed message is acknowledged.
@@ -68,6 +72,21 @@ pub enum WorkerError {
     UnlimitedStreamAge {
         /// The stream's name.
         stream: String,
+    },
+    /// Another handler of this process already uses this consumer name on the same inbox table
+    /// and kind of database: each would skip the other's messages as duplicates.
+    #[error(
+        "consumer name {consumer:?} is already used by handler {other} on inbox table {table:?}; handler {this} would skip its messages as duplicates (and it this one's): give each handler a consumer name of its own"
+    )]
+    ConsumerTaken {
+        /// The consumer name.
+        consumer: &'static str,
+        /// The inbox table.
+        table: String,
+        /// The handler that has it.
+        other: &'static str,
+        /// The handler refused.
+        this: &'static str,
     },
     /// The handler's consumer name cannot be a NATS subject token (dead letters go to
     /// `<prefix>.<consumer>`).
@@ -218,6 +237,38 @@ pub(crate) fn check(
     })
 }
 
+/// Which handler (by type) uses each consumer name, per kind of database and inbox table, in
+/// this process.
+type ConsumerNames = BTreeMap<(TypeId, String, &'static str), (TypeId, &'static str)>;
+
+static CONSUMER_NAMES: Mutex<ConsumerNames> = Mutex::new(BTreeMap::new());
+
+/// Records that handler `H` uses its consumer name on `table`; refuses a second handler type
+/// with the same name on the same table and kind of database. The same handler may have many
+/// workers (instances, clones, restarts).
+fn claim_consumer_name<H: Handler>(table: &TableName) -> Result<(), WorkerError> {
+    let mut names = CONSUMER_NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let key = (
+        TypeId::of::<H::Db>(),
+        table.as_str().to_owned(),
+        H::CONSUMER,
+    );
+    let this = (TypeId::of::<H>(), std::any::type_name::<H>());
+    match names.get(&key) {
+        Some(&(other, name)) if other != this.0 => Err(WorkerError::ConsumerTaken {
+            consumer: H::CONSUMER,
+            table: table.as_str().to_owned(),
+            other: name,
+            this: this.1,
+        }),
+        Some(_) => Ok(()),
+        None => {
+            names.insert(key, this);
+            Ok(())
+        }
+    }
+}
+
 /// Whether `name` can stand as one token of a NATS subject.
 fn is_subject_token(name: &str) -> bool {
     !name.is_empty()
@@ -356,6 +407,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         H: Handler<Db = DB>,
         H::Message: DeserializeOwned,
     {
+        claim_consumer_name::<H>(self.inbox.table())?;
         let info = self.consumer.cached_info();
         let pool_size = self.inbox.pool().options().get_max_connections() as usize;
         let settings = check(
