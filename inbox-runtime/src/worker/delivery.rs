@@ -140,8 +140,11 @@ where
                 Ok(outcome) => verdict(Ok(outcome), delivery.delivered, limits),
                 Err((err, class)) => {
                     let v = verdict(Err((&err, class)), delivery.delivered, limits);
-                    if matches!(v, Verdict::Nak(_)) {
-                        tracing::warn!(error = %err, ?class, "processing failed; nak");
+                    // The whole error, the database's message with it, goes to the log; the
+                    // dead letter carries our summary of it (see `letter_text`).
+                    match v {
+                        Verdict::Nak(_) => tracing::warn!(error = %err, ?class, "processing failed; nak"),
+                        _ => tracing::warn!(error = %err, ?class, "processing failed; dead-lettering"),
                     }
                     v
                 }

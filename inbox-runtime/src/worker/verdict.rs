@@ -6,7 +6,56 @@ use crate::backoff::Backoff;
 use crate::classify::ErrorClass;
 use crate::handler::Outcome;
 use crate::store::ProcessError;
+use sqlx::error::ErrorKind;
 use std::time::Duration;
+
+/// What a dead letter says of `err`: our own words. A database's message can hold the row's
+/// values (MySQL: `Duplicate entry '7' for key ..`, `Incorrect integer value: 'x'`), which belong
+/// in the operator's logs, not in a letter that travels on: of a database error the letter names
+/// the kind, the SQLSTATE and the constraint or table.
+pub(crate) fn letter_text(err: &ProcessError) -> String {
+    let db = match err {
+        ProcessError::Database { source, .. } => source.as_database_error(),
+        ProcessError::Handler(e) => {
+            let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
+            let mut found = None;
+            while let Some(e) = next {
+                if let Some(db) = e
+                    .downcast_ref::<sqlx::Error>()
+                    .and_then(|e| e.as_database_error())
+                {
+                    found = Some(db);
+                    break;
+                }
+                next = e.source();
+            }
+            found
+        }
+        _ => None,
+    };
+    let Some(db) = db else {
+        return err.to_string();
+    };
+    let kind = match db.kind() {
+        ErrorKind::UniqueViolation => "unique violation",
+        ErrorKind::ForeignKeyViolation => "foreign key violation",
+        ErrorKind::NotNullViolation => "not-null violation",
+        ErrorKind::CheckViolation => "check violation",
+        _ => "error",
+    };
+    let code = db.code().map(|c| format!(" {c}")).unwrap_or_default();
+    let on = match (db.constraint(), db.table()) {
+        (Some(c), _) => format!(" on constraint {c}"),
+        (None, Some(t)) => format!(" on table {t}"),
+        (None, None) => String::new(),
+    };
+    match err {
+        ProcessError::Database { stage, .. } => {
+            format!("inbox database {kind}{code}{on} while {stage}")
+        }
+        _ => format!("handler failed: database {kind}{code}{on}"),
+    }
+}
 
 /// What to tell JetStream about a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,9 +128,10 @@ pub(crate) fn verdict(
     };
     let last_delivery = delivered >= limits.max_deliver;
     match class {
-        ErrorClass::Permanent => Verdict::DeadLetter(err.to_string()),
+        ErrorClass::Permanent => Verdict::DeadLetter(letter_text(err)),
         _ if last_delivery => Verdict::DeadLetter(format!(
-            "{err} (delivery {delivered} of max_deliver {})",
+            "{} (delivery {delivered} of max_deliver {})",
+            letter_text(err),
             limits.max_deliver
         )),
         ErrorClass::Transient | ErrorClass::Unknown => {

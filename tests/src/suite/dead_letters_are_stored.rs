@@ -3,7 +3,7 @@
 
 use super::setup;
 use crate::backends::TestBackend;
-use crate::handlers::Probe;
+use crate::handlers::{Entry, Probe};
 use crate::{MAX_DELIVER, NatsStream, Running};
 use async_nats::jetstream::stream;
 use inbox_testkit::wait_until;
@@ -194,7 +194,41 @@ async fn repro_letter_too_large_for_the_server_is_lost<B: TestBackend>() {
     assert_eq!(headers.get("Inbox-Stream-Seq").unwrap().as_str(), "1");
 }
 
+/// A business UNIQUE violation dead-letters the message. The letter's `Inbox-Error` was the
+/// database's message, which on MySQL names the row's values (`Duplicate entry '424242' for key
+/// ..`): data of the business table travelled on in a header. It now holds our words (kind,
+/// SQLSTATE, constraint); the full message stays in the log.
+async fn repro_dead_letter_error_shows_row_values<B: TestBackend>() {
+    let (_db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let first = Entry::new("k1", 424242, 1);
+    let same_reference = Entry::new("k2", 424242, 1);
+    nats.publish_all([first.json(), same_reference.json()])
+        .await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .build(B::Payment::default())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until("the dead letter", Duration::from_secs(60), async || {
+        worker.stats().terminated == 1
+    })
+    .await
+    .unwrap();
+    run.stop().await;
+    let letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    let error = letters[0].1.get("Inbox-Error").unwrap().as_str().to_owned();
+    assert!(
+        !error.contains("424242"),
+        "a row value in the letter: {error}"
+    );
+    assert!(error.contains("unique violation"), "{error}");
+}
+
 super::behaviours!(
+    repro_dead_letter_error_shows_row_values,
     repro_unstorable_letter_on_the_last_delivery_is_lost,
     repro_letter_too_large_for_the_server_is_lost,
     repro_dead_letters_of_two_consumers_collide,
