@@ -21,7 +21,8 @@ pub struct RetentionFloor {
     pub max_deliver: i64,
     /// The sum of the consumer's `backoff` steps.
     pub backoff_sum: Duration,
-    /// The stream's `max_age` (zero: unlimited, counted as zero).
+    /// The stream's `max_age` (zero: unlimited, counted as zero; `WorkerBuilder::cleanup`
+    /// refuses such a stream unless `allow_unlimited_stream_age` accepts it).
     pub max_age: Duration,
     /// The stream's duplicate window, during which a producer's retry is still deduplicated.
     pub duplicate_window: Duration,
