@@ -1,5 +1,6 @@
 //! The `credit` example binary as a child process: spawned with its environment, stopped with
-//! SIGTERM (and its summary line read) or killed with SIGKILL.
+//! SIGTERM (and its summary line read), killed with SIGKILL, or paused with SIGSTOP and resumed
+//! with SIGCONT.
 
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
@@ -101,12 +102,29 @@ impl CreditProcess {
 
     /// Asks it to stop cleanly (SIGTERM), without waiting.
     pub fn sigterm(&self) -> Result<(), String> {
+        self.signal("TERM")
+    }
+
+    /// Freezes it (SIGSTOP), as a long GC pause or a stalled VM would: it keeps its connections,
+    /// its open transactions and the messages it was handed, and answers nothing until
+    /// [`resume`](Self::resume). A paused process still dies of [`kill`](Self::kill) or drop.
+    pub fn pause(&self) -> Result<(), String> {
+        self.signal("STOP")
+    }
+
+    /// Lets a [paused](Self::pause) process go on (SIGCONT).
+    pub fn resume(&self) -> Result<(), String> {
+        self.signal("CONT")
+    }
+
+    /// Sends signal `name` (`TERM`, `STOP`, `CONT`) with `kill`.
+    fn signal(&self, name: &str) -> Result<(), String> {
         let pid = self.child.id().ok_or("credit has already exited")?;
         let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
+            .args([&format!("-{name}"), &pid.to_string()])
             .status()
             .map_err(|e| format!("cannot run kill: {e}"))?;
-        let failed = || format!("kill -TERM {pid} failed ({status})");
+        let failed = || format!("kill -{name} {pid} failed ({status})");
         status.success().then_some(()).ok_or_else(failed)
     }
 

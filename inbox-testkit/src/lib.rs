@@ -2,9 +2,10 @@
 //! `credit` example's process tests and `cargo xtask demo|chaos`:
 //!
 //! - [`PrivateNats`]: a `nats-server` of one's own (free port, temporary store) to kill and
-//!   restart; [`connect`], [`publish_and_wait`], [`backlog`] for the JetStream side;
+//!   restart; [`connect`], [`publish_and_wait`] (or [`publish_acked`], keeping every PubAck),
+//!   [`backlog`] for the JetStream side;
 //! - [`CreditProcess`]: the `credit` binary as a child process, stopped with SIGTERM or SIGKILL,
-//!   its summary line parsed into a [`Summary`];
+//!   paused with SIGSTOP and resumed with SIGCONT, its summary line parsed into a [`Summary`];
 //! - [`Database`]: a fresh PostgreSQL or MariaDB database or SQLite file, whose connections can
 //!   be cut, removed when dropped;
 //! - [`TcpProxy`]: a forwarder that can be cut;
@@ -24,7 +25,7 @@ mod wait;
 
 pub use credit::{CreditConfig, CreditProcess, Summary};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
-pub use nats::{Backlog, Outgoing, PrivateNats, backlog, connect, publish_and_wait};
+pub use nats::{Backlog, Outgoing, PrivateNats, backlog, connect, publish_acked, publish_and_wait};
 pub use proxy::TcpProxy;
 pub use wait::{Poll, wait_until};
 

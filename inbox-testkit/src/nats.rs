@@ -1,9 +1,10 @@
 //! NATS for tests: a private `nats-server`, connecting with an error that names the server,
-//! publishing and awaiting every PubAck, and a consumer's backlog.
+//! publishing and awaiting every PubAck (counted, or kept to know where each message was
+//! stored), and a consumer's backlog.
 
 use crate::{unique, wait_until};
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, consumer::PullConsumer};
+use async_nats::jetstream::{self, consumer::PullConsumer, publish::PublishAck};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -149,7 +150,21 @@ where
     I: IntoIterator,
     I::Item: Into<Outgoing>,
 {
-    let mut published = 0;
+    Ok(publish_acked(js, subject, messages).await?.len())
+}
+
+/// [`publish_and_wait`], returning every PubAck in the order of `messages`: where each message
+/// was stored (stream and sequence) and whether the broker dropped it as a duplicate.
+pub async fn publish_acked<I>(
+    js: &jetstream::Context,
+    subject: &str,
+    messages: I,
+) -> Result<Vec<PublishAck>, String>
+where
+    I: IntoIterator,
+    I::Item: Into<Outgoing>,
+{
+    let mut published = Vec::new();
     let mut acks = Vec::with_capacity(IN_FLIGHT);
     for m in messages {
         let m: Outgoing = m.into();
@@ -162,18 +177,21 @@ where
             None => js.publish(subject, m.payload.into()).await,
         };
         acks.push(ack.map_err(|e| format!("publish: {e}"))?);
-        published += 1;
         if acks.len() == IN_FLIGHT {
-            await_acks(&mut acks).await?;
+            await_acks(&mut acks, &mut published).await?;
         }
     }
-    await_acks(&mut acks).await?;
+    await_acks(&mut acks, &mut published).await?;
     Ok(published)
 }
 
-async fn await_acks(acks: &mut Vec<jetstream::context::PublishAckFuture>) -> Result<(), String> {
+/// Awaits the PubAcks of `acks` in order, appending them to `published`.
+async fn await_acks(
+    acks: &mut Vec<jetstream::context::PublishAckFuture>,
+    published: &mut Vec<PublishAck>,
+) -> Result<(), String> {
     for ack in acks.drain(..) {
-        ack.await.map_err(|e| format!("publish ack: {e}"))?;
+        published.push(ack.await.map_err(|e| format!("publish ack: {e}"))?);
     }
     Ok(())
 }

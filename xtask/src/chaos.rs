@@ -1,34 +1,91 @@
-//! `cargo xtask chaos`: exactly-once under faults, for a user to run.
+//! `cargo xtask chaos`: exactly-once under faults, for a user to run, audited message by message.
 //!
-//! Per backend, three steps. **Publish**: on a private nats-server, N credit requests each
-//! published twice (once with `Nats-Msg-Id`, once without), plus a few poison and
-//! CHECK-violating ones. **Supervise**: three `credit` processes work while one of them is
-//! SIGKILLed and restarted every two seconds, the nats-server is killed and restarted once, and
-//! every database connection is cut once (the [`Faults`]). **Verify**, once the consumer has
-//! drained: every request applied exactly once and every bad message dead-lettered. Each valid
-//! request credits its own account with 1, so a balance of 0 is a lost message and a balance of
-//! 2 or more one applied twice.
+//! Per backend, three steps.
+//!
+//! **Publish**, on a private nats-server: N credit requests each published twice (once with
+//! `Nats-Msg-Id`, once without); a few to be dead-lettered at once, poison payloads (each a
+//! non-JSON text of its own) and overdraws (a CHECK violation); and, last in the stream, a few
+//! credits to accounts never opened (a foreign-key violation), which the runtime redelivers with a
+//! delay until `max_deliver` and then dead-letters. Every message's stream sequence is kept from
+//! its PubAck. `credit`'s own schema has no payload that fails that way (its one upsert fails
+//! only with a CHECK violation or a data error, both dead-lettered at once, or transiently), so
+//! chaos creates `accounts` itself, as `credit` would plus a foreign key to [`OPEN_ACCOUNTS`].
+//!
+//! **Supervise**: three `credit` processes work through the [`Faults`]: one of them is SIGKILLed
+//! and restarted every two seconds; one is frozen with SIGSTOP for twice `ack_wait` (what it holds
+//! is redelivered to the others while its transactions stay open) and then let go with SIGCONT;
+//! the nats-server is killed and restarted once; every database connection is cut once; and the
+//! dead-letter stream rejects every letter, from the start until a letter has been rejected on
+//! its message's last delivery (earlier ones are nak'd and tried again; that one must be parked
+//! and relayed later).
+//!
+//! **Verify**, once the consumer has drained, message by message: every request id applied
+//! exactly once (its account's balance is 1 and its marker is committed); every other message
+//! dead-lettered exactly once (one letter names its stream sequence and carries its payload, and
+//! an unopened account's letter says it came at delivery `max_deliver`); and nothing else in the
+//! database or the dead-letter stream. A query that fails fails the run: nothing counts as 0.
+//!
+//! Crashes stop once every message has been handed out, and the unopened credits come last, so
+//! that their last delivery falls after the crash faults: JetStream never redelivers a message
+//! after its `max_deliver`-th delivery, so a process that dies during that delivery (or a
+//! nats-server that restarts, or a dead-letter stream that rejects its letter then) leaves the
+//! message neither applied nor dead-lettered, whatever the runtime does.
 
-use async_nats::jetstream::{self, consumer::pull, stream};
+use async_nats::jetstream::stream::{DiscardPolicy, RawMessageErrorKind};
+use async_nats::jetstream::{self, consumer::pull, message::StreamMessage, stream};
+use futures::StreamExt;
 use inbox_testkit::{
     Backend, CreditConfig, CreditProcess, Database, Outgoing, Poll, PrivateNats, backlog,
-    publish_and_wait, unique,
+    publish_acked, unique,
 };
 use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, AssertSqlSafe, SqlSafeStr};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Poison payloads: not JSON, dead-lettered at once.
 const POISON: usize = 5;
+/// Overdraws: a CHECK violation, dead-lettered at once.
 const OVERDRAWS: usize = 5;
+/// Credits to accounts never opened: a foreign-key violation, dead-lettered at `max_deliver`.
+const UNOPENED: usize = 3;
+/// `credit` processes at work.
 const INSTANCES: usize = 3;
+/// The stream the requests are published to.
 const STREAM: &str = "CHAOS";
+/// The requests' subject.
 const SUBJECT: &str = "chaos.credits";
+/// The durable consumer `credit` works on.
 const DURABLE: &str = "chaos";
+/// The handler's consumer name: its markers' `consumer`, its letters' `Inbox-Consumer`.
+const CONSUMER: &str = "credit";
 /// The runtime's default dead-letter stream, which `credit` uses.
 const DLQ_STREAM: &str = "INBOX_DLQ";
+/// Its subjects, as the runtime creates it.
+const DLQ_SUBJECTS: &str = "inbox.dlq.>";
+/// Where `credit`'s letters go.
+const DLQ_SUBJECT: &str = "inbox.dlq.credit";
+/// The accounts a credit may go to; chaos's `accounts` has a foreign key to it.
+const OPEN_ACCOUNTS: &str = "open_accounts";
+/// The consumer's `max_deliver`.
+const MAX_DELIVER: i64 = 10;
+/// The consumer's `ack_wait`: what a killed or frozen process held comes back within seconds.
+const ACK_WAIT: Duration = Duration::from_secs(4);
 /// How often a `credit` process is SIGKILLed.
 const KILL_EVERY: Duration = Duration::from_secs(2);
+/// How long one `credit` process stays frozen: twice `ack_wait`, so that what it holds is
+/// redelivered to the others while it holds it.
+const PAUSE_FOR: Duration = Duration::from_secs(8);
+/// The dead-letter stream's outage ends at the latest after this, whatever it saw: the first
+/// letters are rejected at once, and their last delivery comes `9 × ack_wait` later.
+const OUTAGE_AT_MOST: Duration = Duration::from_secs(90);
+/// How long, once the consumer has drained, the letters may take to be stored (a letter parked
+/// in the database is relayed within seconds); past it, the audit says which are missing.
+const LETTERS_WITHIN: Duration = Duration::from_secs(60);
+/// How many example messages a finding names.
+const EXAMPLES: usize = 5;
 
 /// What `cargo xtask chaos` was asked for.
 pub struct Options {
@@ -102,53 +159,446 @@ enum DbCut {
     NotApplicable,
 }
 
+/// The SIGSTOP of one `credit` process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pause {
+    /// Not yet.
+    Pending,
+    /// Process `k` is frozen, since then.
+    Frozen {
+        /// Which instance.
+        k: usize,
+        /// When it was frozen.
+        since: Instant,
+    },
+    /// It was frozen for this long, then let go.
+    Done {
+        /// How long it was frozen.
+        held: Duration,
+    },
+}
+
+/// The dead-letter stream's outage: chaos creates it refusing every letter (`max_bytes` 1,
+/// discard new), and lifts the limit once a letter has been rejected on its message's last
+/// delivery. Before that, rejected letters are nak'd and tried again at each delivery; that last
+/// one can only be parked in the database (JetStream would not redeliver a nak) and relayed
+/// once the stream takes letters again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outage {
+    /// It rejects every letter, since then.
+    Rejecting {
+        /// When it began (before any `credit` started).
+        since: Instant,
+    },
+    /// Lifted.
+    Lifted {
+        /// Letter publishes seen on the wire while it rejected them.
+        rejected: usize,
+        /// Of those, the distinct messages they were letters of.
+        messages: usize,
+        /// Of those, the publishes on a message's last delivery (`max_deliver`).
+        at_last: usize,
+        /// How long it lasted.
+        lasted: Duration,
+    },
+}
+
 /// The faults one run went through.
 #[derive(Debug, Clone, Copy)]
 struct Faults {
     /// `credit` processes SIGKILLed (and restarted).
     kills: usize,
+    /// The SIGSTOP of a `credit` process.
+    pause: Pause,
     /// Whether the nats-server was killed and restarted.
     nats_restarted: bool,
     /// The database connections.
     db_cut: DbCut,
+    /// The dead-letter stream's outage.
+    outage: Outage,
 }
 
 impl Faults {
+    /// Every fault has been carried out (and the frozen process and the dead-letter stream let go).
     fn all_done(&self) -> bool {
-        self.nats_restarted && self.db_cut != DbCut::Pending
+        self.nats_restarted
+            && self.db_cut != DbCut::Pending
+            && matches!(self.pause, Pause::Done { .. })
+            && matches!(self.outage, Outage::Lifted { .. })
     }
+
+    /// What went missing: a fault that did not bite proves nothing.
+    fn missing(&self) -> Vec<&'static str> {
+        let mut missing = Vec::new();
+        if self.kills == 0 {
+            missing.push("no credit process was killed");
+        }
+        if let Outage::Lifted {
+            rejected, at_last, ..
+        } = self.outage
+        {
+            if rejected == 0 {
+                missing.push("the dead-letter stream rejected no letter");
+            }
+            if at_last == 0 {
+                missing.push("no letter was rejected on its message's last delivery");
+            }
+        }
+        missing
+    }
+}
+
+/// What a published message is, and so what it must come to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// One of a valid request's two copies: the request is applied exactly once.
+    Request,
+    /// Not JSON: dead-lettered at once.
+    Poison,
+    /// Takes a balance below zero (a CHECK violation): dead-lettered at once.
+    Overdraw,
+    /// Credits an account never opened (a foreign-key violation): redelivered with a delay, then
+    /// dead-lettered at delivery `max_deliver`.
+    Unopened,
+}
+
+/// One published message.
+#[derive(Debug, Clone)]
+struct Sent {
+    /// What it is.
+    kind: Kind,
+    /// How findings name it: the request id, or `poison-<j>`.
+    label: String,
+    /// Its key (the request id), when it decodes.
+    key: Option<String>,
+    /// The account it credits, when it decodes.
+    account: Option<i64>,
+    /// Its `Nats-Msg-Id`, when published with one.
+    msg_id: Option<String>,
+    /// Its payload.
+    payload: Vec<u8>,
 }
 
 /// What was published.
 struct Published {
-    /// Messages in all.
-    total: usize,
+    /// Every message, by the stream sequence its PubAck gave.
+    by_seq: BTreeMap<u64, Sent>,
     /// Distinct valid requests.
-    unique: usize,
+    requests: usize,
     /// Messages that must be dead-lettered.
     dead_expected: usize,
 }
 
+/// A letter as read back from the dead-letter stream: the headers the audit checks.
+#[derive(Debug, Clone, Default)]
+struct Letter {
+    /// Its own sequence in the dead-letter stream.
+    dlq_seq: u64,
+    /// The subject it was published to.
+    subject: String,
+    /// `Inbox-Consumer`: the handler that rejected it.
+    consumer: Option<String>,
+    /// `Inbox-Stream`: the original's stream.
+    stream: Option<String>,
+    /// `Inbox-Stream-Seq`: the original's sequence there.
+    stream_seq: Option<String>,
+    /// `Inbox-Delivered`: the delivery that was rejected.
+    delivered: Option<String>,
+    /// `Inbox-Error`: why.
+    error: Option<String>,
+    /// `Nats-Msg-Id`: `dlq:<consumer>:<stream>:<seq>`.
+    msg_id: Option<String>,
+    /// `Inbox-Original-Msg-Id`: the original's `Nats-Msg-Id`, when it had one.
+    original_msg_id: Option<String>,
+    /// The original's payload.
+    payload: Vec<u8>,
+}
+
+impl From<StreamMessage> for Letter {
+    fn from(m: StreamMessage) -> Letter {
+        let header = |name: &str| m.headers.get(name).map(|v| v.as_str().to_owned());
+        Letter {
+            dlq_seq: m.sequence,
+            subject: m.subject.to_string(),
+            consumer: header("Inbox-Consumer"),
+            stream: header("Inbox-Stream"),
+            stream_seq: header("Inbox-Stream-Seq"),
+            delivered: header("Inbox-Delivered"),
+            error: header("Inbox-Error"),
+            msg_id: header("Nats-Msg-Id"),
+            original_msg_id: header("Inbox-Original-Msg-Id"),
+            payload: m.payload.to_vec(),
+        }
+    }
+}
+
+/// What the run left behind, read back after it.
+#[derive(Debug, Default)]
+struct Observed {
+    /// Keys of `credit`'s committed markers (`processed_at` set).
+    markers: HashSet<String>,
+    /// Keys of `credit`'s markers without `processed_at`: an effect never finished.
+    open_markers: Vec<String>,
+    /// Balances by account.
+    balances: HashMap<i64, i64>,
+    /// Every message of the dead-letter stream.
+    letters: Vec<Letter>,
+}
+
+/// A way a message can end wrong.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Problem {
+    /// A request neither applied nor dead-lettered.
+    Lost,
+    /// A request applied more than once.
+    AppliedTwice,
+    /// A request's marker is committed but its effect is not.
+    MarkerWithoutEffect,
+    /// A request's effect is there but its marker is not.
+    EffectWithoutMarker,
+    /// A request's balance is neither 1 nor more.
+    WrongBalance,
+    /// A marker without `processed_at`.
+    OpenMarker,
+    /// A valid request dead-lettered.
+    DeadLetteredRequest,
+    /// A message to reject that has no letter.
+    NotDeadLettered,
+    /// A message with more than one letter.
+    DeadLetteredTwice,
+    /// A message to reject whose marker or effect is there.
+    AppliedRejected,
+    /// An unopened account's credit dead-lettered before its `max_deliver`-th delivery.
+    BeforeMaxDeliver,
+    /// A letter that matches no published message, or not the one it names.
+    StrayLetter,
+    /// A marker or an account that no published message explains.
+    StrayRow,
+}
+
+impl Problem {
+    /// What it says in the findings.
+    fn describe(self) -> &'static str {
+        match self {
+            Problem::Lost => "lost: neither applied nor dead-lettered",
+            Problem::AppliedTwice => "applied twice (balance 2 or more)",
+            Problem::MarkerWithoutEffect => "marker committed, effect missing",
+            Problem::EffectWithoutMarker => "effect applied, marker missing",
+            Problem::WrongBalance => "balance neither 1 nor more",
+            Problem::OpenMarker => "marker without processed_at",
+            Problem::DeadLetteredRequest => "dead-lettered, expected applied",
+            Problem::NotDeadLettered => "not dead-lettered, expected one letter",
+            Problem::DeadLetteredTwice => "dead-lettered more than once",
+            Problem::AppliedRejected => "applied, expected dead-lettered",
+            Problem::BeforeMaxDeliver => "dead-lettered before max_deliver",
+            Problem::StrayLetter => "letter matching no published message",
+            Problem::StrayRow => "marker or account no message explains",
+        }
+    }
+}
+
+/// What the audit found.
+#[derive(Debug, Default)]
+struct Findings {
+    /// Requests applied exactly once.
+    applied_once: usize,
+    /// Messages to reject with exactly one letter.
+    dead_once: usize,
+    /// Every problem, with the messages (labels) it concerns.
+    problems: BTreeMap<Problem, Vec<String>>,
+}
+
+impl Findings {
+    /// Records `problem` for the message `what` names.
+    fn add(&mut self, problem: Problem, what: impl Into<String>) {
+        self.problems.entry(problem).or_default().push(what.into());
+    }
+
+    /// How many messages have `problem`.
+    fn count(&self, problem: Problem) -> usize {
+        self.problems.get(&problem).map_or(0, Vec::len)
+    }
+}
+
+/// Checks every published message against what the run left behind.
+fn audit(published: &Published, seen: &Observed) -> Findings {
+    let mut f = Findings::default();
+
+    // Letters by the stream sequence of the message they carry; those that fit none aside.
+    let mut letters: HashMap<u64, Vec<&Letter>> = HashMap::new();
+    for letter in &seen.letters {
+        match origin(letter, published) {
+            Ok(seq) => letters.entry(seq).or_default().push(letter),
+            Err(why) => f.add(
+                Problem::StrayLetter,
+                format!("letter #{}: {why}", letter.dlq_seq),
+            ),
+        }
+    }
+    let letters_of = |seq: &u64| letters.get(seq).map_or(&[][..], Vec::as_slice);
+
+    // Requests, by id: both copies share the id and the account.
+    let mut requests: BTreeMap<&str, (Option<i64>, Vec<u64>)> = BTreeMap::new();
+    for (seq, sent) in &published.by_seq {
+        if sent.kind == Kind::Request {
+            let entry = requests
+                .entry(&sent.label)
+                .or_insert((sent.account, Vec::new()));
+            entry.1.push(*seq);
+        }
+    }
+    for (id, (account, seqs)) in &requests {
+        let lettered: usize = seqs.iter().map(|s| letters_of(s).len()).sum();
+        if lettered > 0 {
+            f.add(Problem::DeadLetteredRequest, *id);
+        }
+        let marker = seen.markers.contains(*id);
+        match (marker, account.and_then(|a| seen.balances.get(&a).copied())) {
+            (_, Some(b)) if b >= 2 => f.add(Problem::AppliedTwice, format!("{id} (balance {b})")),
+            (true, Some(1)) => f.applied_once += 1,
+            (false, None) if lettered == 0 => f.add(Problem::Lost, *id),
+            (false, None) => {}
+            (true, None) => f.add(Problem::MarkerWithoutEffect, *id),
+            (false, Some(1)) => f.add(Problem::EffectWithoutMarker, *id),
+            (_, Some(b)) => f.add(Problem::WrongBalance, format!("{id} (balance {b})")),
+        }
+    }
+
+    // Messages to reject, by stream sequence.
+    for (seq, sent) in &published.by_seq {
+        if sent.kind == Kind::Request {
+            continue;
+        }
+        let got = letters_of(seq);
+        let applied = sent.key.as_ref().is_some_and(|k| seen.markers.contains(k))
+            || sent.account.is_some_and(|a| seen.balances.contains_key(&a));
+        if applied {
+            f.add(Problem::AppliedRejected, &sent.label);
+        }
+        match got.len() {
+            0 if !applied => f.add(Problem::NotDeadLettered, &sent.label),
+            0 => {}
+            1 => f.dead_once += 1,
+            n => f.add(
+                Problem::DeadLetteredTwice,
+                format!("{} ({n} letters)", sent.label),
+            ),
+        }
+        if sent.kind == Kind::Unopened {
+            let max = MAX_DELIVER.to_string();
+            for letter in got.iter().filter(|l| l.delivered.as_deref() != Some(&max)) {
+                let at = letter.delivered.as_deref().unwrap_or("?");
+                f.add(
+                    Problem::BeforeMaxDeliver,
+                    format!("{} (delivery {at})", sent.label),
+                );
+            }
+        }
+    }
+
+    // What nothing published explains (the rejected messages' rows are reported above).
+    let keys: HashSet<&str> = published
+        .by_seq
+        .values()
+        .filter_map(|s| s.key.as_deref())
+        .collect();
+    let accounts: HashSet<i64> = published
+        .by_seq
+        .values()
+        .filter_map(|s| s.account)
+        .collect();
+    for key in &seen.markers {
+        if !keys.contains(key.as_str()) {
+            f.add(Problem::StrayRow, format!("marker {key}"));
+        }
+    }
+    for account in seen.balances.keys() {
+        if !accounts.contains(account) {
+            f.add(Problem::StrayRow, format!("account {account}"));
+        }
+    }
+    for key in &seen.open_markers {
+        f.add(Problem::OpenMarker, key);
+    }
+    for labels in f.problems.values_mut() {
+        labels.sort();
+    }
+    f
+}
+
+/// The stream sequence of the published message `letter` carries, or why it fits none: every
+/// header names that message and the payload is its own.
+fn origin(letter: &Letter, published: &Published) -> Result<u64, String> {
+    if letter.subject != DLQ_SUBJECT {
+        return Err(format!("subject {}", letter.subject));
+    }
+    if letter.consumer.as_deref() != Some(CONSUMER) {
+        return Err(format!("Inbox-Consumer {:?}", letter.consumer));
+    }
+    if letter.stream.as_deref() != Some(STREAM) {
+        return Err(format!("Inbox-Stream {:?}", letter.stream));
+    }
+    let seq: u64 = letter
+        .stream_seq
+        .as_deref()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| format!("Inbox-Stream-Seq {:?}", letter.stream_seq))?;
+    let sent = published
+        .by_seq
+        .get(&seq)
+        .ok_or_else(|| format!("Inbox-Stream-Seq {seq} was never published"))?;
+    if letter.payload != sent.payload {
+        return Err(format!("payload is not that of {} (seq {seq})", sent.label));
+    }
+    let id = format!("dlq:{CONSUMER}:{STREAM}:{seq}");
+    if letter.msg_id.as_deref() != Some(&id) {
+        return Err(format!("Nats-Msg-Id {:?}, not {id:?}", letter.msg_id));
+    }
+    if letter.original_msg_id != sent.msg_id {
+        return Err(format!(
+            "Inbox-Original-Msg-Id {:?}, not {:?}",
+            letter.original_msg_id, sent.msg_id
+        ));
+    }
+    if letter.error.as_deref().is_none_or(str::is_empty) {
+        return Err("no Inbox-Error".into());
+    }
+    if letter
+        .delivered
+        .as_deref()
+        .and_then(|d| d.parse::<i64>().ok())
+        .is_none_or(|d| d < 1)
+    {
+        return Err(format!("Inbox-Delivered {:?}", letter.delivered));
+    }
+    Ok(seq)
+}
+
 /// What one backend's run came to.
 struct Report {
+    /// The backend it ran on.
     backend: Backend,
-    published: Published,
-    applied: i64,
+    /// Messages published in all.
+    total: usize,
+    /// Distinct valid requests.
+    requests: usize,
+    /// Messages that must be dead-lettered.
+    dead_expected: usize,
+    /// The audit's findings.
+    findings: Findings,
+    /// Duplicates the processes that stopped cleanly skipped.
     skipped: u64,
-    dead_actual: u64,
-    lost: i64,
-    twice: i64,
-    /// Accounts that an overdraw created: a CHECK violation that was applied.
-    overdrawn: i64,
+    /// The faults it went through.
     faults: Faults,
 }
 
 impl Report {
+    /// Every message ended as it must, and every fault bit.
     fn ok(&self) -> bool {
-        self.lost == 0
-            && self.twice == 0
-            && self.overdrawn == 0
-            && self.dead_actual == self.published.dead_expected as u64
+        self.findings.problems.is_empty()
+            && self.findings.applied_once == self.requests
+            && self.findings.dead_once == self.dead_expected
+            && self.faults.missing().is_empty()
     }
 }
 
@@ -166,20 +616,21 @@ pub async fn run(options: Options) -> Result<(), String> {
         reports.push(chaos(backend, n, &credit, &logs).await?);
     }
 
-    let row = |cells: [&str; 10]| {
-        let [b, p, u, a, s, d, l, t, k, c] = cells;
-        println!("{b:<9} {p:>9} {u:>7} {a:>8} {s:>8} {d:>14} {l:>5} {t:>6} {k:>6} {c:>9}");
+    let row = |cells: [&str; 11]| {
+        let [b, p, a, d, l, t, o, k, s, r, c] = cells;
+        println!("{b:<9} {p:>9} {a:>13} {d:>7} {l:>5} {t:>6} {o:>6} {k:>6} {s:>7} {r:>9} {c:>9}");
     };
     row([
         "backend",
         "published",
-        "unique",
-        "applied",
-        "skipped",
-        "dead (exp/act)",
+        "applied once",
+        "dead",
         "lost",
         "twice",
+        "other",
         "kills",
+        "paused",
+        "dlq rej.",
         "db cut",
     ]);
     for r in &reports {
@@ -188,31 +639,74 @@ pub async fn run(options: Options) -> Result<(), String> {
             DbCut::NotApplicable => "n/a".into(),
             DbCut::Pending => "no".into(),
         };
+        let paused = match r.faults.pause {
+            Pause::Done { held } => format!("{:.1}s", held.as_secs_f64()),
+            _ => "no".into(),
+        };
+        let rejected = match r.faults.outage {
+            Outage::Lifted {
+                rejected, at_last, ..
+            } => format!("{rejected} ({at_last})"),
+            Outage::Rejecting { .. } => "no".into(),
+        };
+        let f = &r.findings;
+        let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
+        let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
         row([
             r.backend.name(),
-            &r.published.total.to_string(),
-            &r.published.unique.to_string(),
-            &r.applied.to_string(),
-            &r.skipped.to_string(),
-            &format!("{}/{}", r.published.dead_expected, r.dead_actual),
-            &r.lost.to_string(),
-            &r.twice.to_string(),
+            &r.total.to_string(),
+            &format!("{}/{}", f.applied_once, r.requests),
+            &format!("{}/{}", f.dead_once, r.dead_expected),
+            &lost.to_string(),
+            &twice.to_string(),
+            &other.to_string(),
             &r.faults.kills.to_string(),
+            &paused,
+            &rejected,
             &db_cut,
         ]);
     }
     println!(
-        "(skipped: as reported by processes that stopped cleanly; SIGKILLed ones report nothing)"
+        "(applied once: request ids whose balance is 1 with a committed marker; dead: messages to \
+         reject with exactly one letter; dlq rej.: letter publishes the dead-letter stream \
+         rejected (of them on a last delivery); skipped, by the processes that stopped cleanly: {})",
+        reports
+            .iter()
+            .map(|r| format!("{} {}", r.backend.name(), r.skipped))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
+    for r in reports.iter().filter(|r| !r.ok()) {
+        println!("\n{} FAILED:", r.backend.name());
+        for (problem, labels) in &r.findings.problems {
+            let shown = labels.iter().take(EXAMPLES).cloned().collect::<Vec<_>>();
+            let more = labels.len().saturating_sub(EXAMPLES);
+            let more = if more > 0 {
+                format!(", and {more} more")
+            } else {
+                String::new()
+            };
+            println!(
+                "  {}: {} — {}{more}",
+                problem.describe(),
+                labels.len(),
+                shown.join(", ")
+            );
+        }
+        for missing in r.faults.missing() {
+            println!("  fault missing: {missing}");
+        }
+    }
     let passed = reports.iter().filter(|r| r.ok()).count();
     println!("chaos: {passed} passed, {} failed", reports.len() - passed);
     if passed == reports.len() {
         println!(
-            "\nexactly once under faults: nothing lost, nothing applied twice, every dead letter present."
+            "\nexactly once under faults, message by message: every request applied once, every \
+             rejected message dead-lettered once, nothing else."
         );
         Ok(())
     } else {
-        Err("chaos run FAILED: see the table".into())
+        Err("chaos run FAILED: see the findings above".into())
     }
 }
 
@@ -221,10 +715,14 @@ async fn chaos(backend: Backend, n: usize, credit: &Path, logs: &Path) -> Result
     let run = unique("");
     let mut nats = PrivateNats::start().await?;
     let db = Database::create(backend, "inbox_chaos_").await?;
-    // Lazy: for SQLite the file appears when the first `credit` starts.
+    // chaos creates the SQLite file itself (with the accounts table, before any `credit`).
+    let url = match backend {
+        Backend::Sqlite => format!("{}?mode=rwc", db.url),
+        _ => db.url.clone(),
+    };
     let pool = AnyPoolOptions::new()
         .max_connections(1)
-        .connect_lazy(&db.url)
+        .connect_lazy(&url)
         .map_err(|e| e.to_string())?;
     let config = CreditConfig {
         binary: credit.to_owned(),
@@ -236,11 +734,35 @@ async fn chaos(backend: Backend, n: usize, credit: &Path, logs: &Path) -> Result
         rust_log: "warn".into(),
     };
     let result = async {
-        let js = jetstream::new(inbox_testkit::connect(&nats.url).await?);
+        let client = inbox_testkit::connect(&nats.url).await?;
+        let js = jetstream::new(client.clone());
+        create_accounts(backend, &pool, n).await?;
         let published = publish(&js, n, &run).await?;
         let logs = |k: usize| logs.join(format!("{}-{run}-{k}.log", backend.name()));
-        let (faults, skips) = supervise(&config, logs, n, &mut nats, &db, &pool, &js).await?;
-        verify(backend, published, faults, skips, &pool, &js).await
+        let watch = LetterWatch::start(&client).await?;
+        let (faults, skipped) = supervise(
+            &config,
+            logs,
+            n,
+            &mut nats,
+            &db,
+            &pool,
+            &js,
+            watch,
+            published.dead_expected as u64,
+        )
+        .await?;
+        let seen = observe(backend, &pool, &js).await?;
+        let _ = js.delete_stream(STREAM).await;
+        Ok(Report {
+            backend,
+            total: published.by_seq.len(),
+            requests: published.requests,
+            dead_expected: published.dead_expected,
+            findings: audit(&published, &seen),
+            skipped,
+            faults,
+        })
     }
     .await;
     pool.close().await;
@@ -248,63 +770,257 @@ async fn chaos(backend: Backend, n: usize, credit: &Path, logs: &Path) -> Result
     result
 }
 
-/// Creates the stream and consumer and publishes every message, awaiting every PubAck.
+/// Creates `accounts` as `credit` would, plus a foreign key to [`OPEN_ACCOUNTS`], which holds
+/// every account a request or an overdraw credits (`0..n + OVERDRAWS`), not the unopened ones.
+async fn create_accounts(backend: Backend, pool: &AnyPool, n: usize) -> Result<(), String> {
+    let ddl: &[&str] = match backend {
+        Backend::Postgres => &[
+            "CREATE TABLE open_accounts (id BIGINT PRIMARY KEY)",
+            "CREATE TABLE accounts (id BIGINT PRIMARY KEY REFERENCES open_accounts (id), \
+             balance BIGINT NOT NULL CHECK (balance >= 0))",
+        ],
+        Backend::MySql => &[
+            "CREATE TABLE open_accounts (id BIGINT PRIMARY KEY) ENGINE = InnoDB",
+            "CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, \
+             CHECK (balance >= 0), FOREIGN KEY (id) REFERENCES open_accounts (id)) \
+             ENGINE = InnoDB",
+        ],
+        // WAL first, as `credit` opens it: switching later needs the file to itself.
+        Backend::Sqlite => &[
+            "PRAGMA journal_mode = WAL",
+            "CREATE TABLE open_accounts (id INTEGER PRIMARY KEY)",
+            "CREATE TABLE accounts (id INTEGER PRIMARY KEY REFERENCES open_accounts (id), \
+             balance INTEGER NOT NULL CHECK (balance >= 0))",
+        ],
+    };
+    for sql in ddl {
+        execute(pool, (*sql).to_owned()).await?;
+    }
+    let ids: Vec<usize> = (0..n + OVERDRAWS).collect();
+    for chunk in ids.chunks(1_000) {
+        let values: Vec<String> = chunk.iter().map(|id| format!("({id})")).collect();
+        let sql = format!(
+            "INSERT INTO {OPEN_ACCOUNTS} (id) VALUES {}",
+            values.join(", ")
+        );
+        execute(pool, sql).await?;
+    }
+    Ok(())
+}
+
+/// The consumer's `backoff`: `ack_wait` at every step, one step fewer than `max_deliver` (as the
+/// server requires), so that a credit to an unopened account reaches `max_deliver` within
+/// `9 × ack_wait` rather than the minutes of the runtime's own growing nak delays.
+///
+/// Every step is the same on purpose. The runtime naks with the step as an explicit delay, and
+/// nats-server 2.9 measures that delay from `now - ack_wait` against the step: the wait is
+/// `2 × step - ack_wait`, which for a step under half of `ack_wait` is no wait at all (each
+/// redelivery within ~10 ms, max_deliver burnt in a tenth of a second).
+fn backoff() -> Vec<Duration> {
+    vec![ACK_WAIT; MAX_DELIVER as usize - 1]
+}
+
+/// The request id of account `i`.
+fn request_id(run: &str, i: usize) -> String {
+    format!("c-{run}-{i}")
+}
+
+/// A credit request's payload.
+fn request(id: &str, account: usize, amount: i64) -> Vec<u8> {
+    let body = serde_json::json!({ "id": id, "account": account, "amount": amount });
+    serde_json::to_vec(&body).expect("json")
+}
+
+/// Creates the stream, the consumer and the dead-letter stream (rejecting every letter), and
+/// publishes every message, keeping where each was stored.
 async fn publish(js: &jetstream::Context, n: usize, run: &str) -> Result<Published, String> {
     let stream = js
         .create_stream(stream::Config {
             name: STREAM.into(),
             subjects: vec![SUBJECT.into()],
+            // Finite, as `credit`'s cleanup requires.
+            max_age: Duration::from_secs(3600),
             ..Default::default()
         })
         .await
         .map_err(|e| e.to_string())?;
-    // A short ack_wait: what a killed process held comes back within seconds.
     stream
         .create_consumer(pull::Config {
             durable_name: Some(DURABLE.into()),
-            ack_wait: Duration::from_secs(5),
-            max_deliver: 10,
+            ack_wait: ACK_WAIT,
+            max_deliver: MAX_DELIVER,
+            backoff: backoff(),
             filter_subject: SUBJECT.into(),
             ..Default::default()
         })
         .await
         .map_err(|e| e.to_string())?;
+    // The runtime gets the stream it would create; until chaos lifts the limit, no letter fits.
+    js.create_stream(stream::Config {
+        name: DLQ_STREAM.into(),
+        subjects: vec![DLQ_SUBJECTS.into()],
+        max_bytes: 1,
+        discard: DiscardPolicy::New,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| format!("dead-letter stream {DLQ_STREAM}: {e}"))?;
 
     // Every valid request twice: with a msg-id (the broker's dedup window) and without (only the
-    // inbox can catch it). Accounts 0..n get +1 each; overdraws go to accounts of their own.
-    let mut messages: Vec<Outgoing> = Vec::with_capacity(2 * n + POISON + OVERDRAWS);
+    // inbox can catch it). Accounts 0..n get +1 each; overdraws go to accounts of their own;
+    // unopened credits to accounts not in open_accounts, last.
+    let mut sent: Vec<Sent> = Vec::with_capacity(2 * n + POISON + OVERDRAWS + UNOPENED);
+    let spread = n / POISON.max(OVERDRAWS);
     for pass in 0..2 {
         for i in 0..n {
-            let id = format!("c-{run}-{i}");
-            let body = serde_json::json!({ "id": id, "account": i, "amount": 1 });
-            let body = serde_json::to_vec(&body).expect("json");
-            messages.push(match pass {
-                0 => Outgoing::with_msg_id(body, &id),
-                _ => body.into(),
+            let id = request_id(run, i);
+            sent.push(Sent {
+                kind: Kind::Request,
+                payload: request(&id, i, 1),
+                key: Some(id.clone()),
+                account: Some(i as i64),
+                msg_id: (pass == 0).then(|| id.clone()),
+                label: id,
             });
-            let j = i / (n / POISON);
-            if pass == 0 && i % (n / POISON) == 0 {
+            let j = i / spread;
+            if pass == 0 && i % spread == 0 {
                 if j < POISON {
-                    messages.push(b"{ not json".to_vec().into());
+                    sent.push(Sent {
+                        kind: Kind::Poison,
+                        label: format!("poison-{j}"),
+                        key: None,
+                        account: None,
+                        msg_id: None,
+                        payload: format!("{{ not json {j}").into_bytes(),
+                    });
                 }
                 if j < OVERDRAWS {
-                    let bad = serde_json::json!({ "id": format!("neg-{run}-{j}"), "account": n + j, "amount": -5 });
-                    messages.push(serde_json::to_vec(&bad).expect("json").into());
+                    let (id, account) = (format!("neg-{run}-{j}"), n + j);
+                    sent.push(Sent {
+                        kind: Kind::Overdraw,
+                        payload: request(&id, account, -5),
+                        key: Some(id.clone()),
+                        account: Some(account as i64),
+                        msg_id: None,
+                        label: id,
+                    });
                 }
             }
         }
     }
-    println!("publishing {} messages...", messages.len());
-    let total = publish_and_wait(js, SUBJECT, messages).await?;
+    for j in 0..UNOPENED {
+        let (id, account) = (format!("unopened-{run}-{j}"), n + OVERDRAWS + j);
+        sent.push(Sent {
+            kind: Kind::Unopened,
+            payload: request(&id, account, 1),
+            key: Some(id.clone()),
+            account: Some(account as i64),
+            msg_id: None,
+            label: id,
+        });
+    }
+    println!("publishing {} messages...", sent.len());
+    let outgoing = sent.iter().map(|s| match &s.msg_id {
+        Some(id) => Outgoing::with_msg_id(s.payload.clone(), id),
+        None => Outgoing::from(s.payload.clone()),
+    });
+    let acks = publish_acked(js, SUBJECT, outgoing).await?;
+    if acks.len() != sent.len() {
+        return Err(format!(
+            "{} PubAcks for {} messages",
+            acks.len(),
+            sent.len()
+        ));
+    }
+    let mut by_seq = BTreeMap::new();
+    for (ack, s) in acks.into_iter().zip(sent) {
+        if ack.stream != STREAM || ack.duplicate {
+            return Err(format!(
+                "{} was not stored as a new message: {ack:?}",
+                s.label
+            ));
+        }
+        by_seq.insert(ack.sequence, s);
+    }
     Ok(Published {
-        total,
-        unique: n,
-        dead_expected: POISON + OVERDRAWS,
+        by_seq,
+        requests: n,
+        dead_expected: POISON + OVERDRAWS + UNOPENED,
     })
 }
 
-/// Runs the `credit` processes through the faults until every request is applied and the
-/// consumer has drained; returns the faults and the duplicates the survivors report skipping.
+/// Watches `credit`'s letters on the wire (a core subscription sees every publish, stored by the
+/// dead-letter stream or not).
+struct LetterWatch {
+    /// What it saw so far.
+    seen: Arc<Mutex<WireCounts>>,
+    /// The task counting them; stopped when the watch is dropped.
+    task: tokio::task::JoinHandle<()>,
+}
+
+/// Letter publishes seen on the wire.
+#[derive(Debug, Clone, Default)]
+struct WireCounts {
+    /// Publishes, by the original's stream sequence.
+    by_seq: HashMap<u64, usize>,
+    /// Publishes on the original's last delivery (`Inbox-Delivered` is `max_deliver`).
+    at_last: usize,
+}
+
+impl LetterWatch {
+    /// Subscribes (and makes sure the server has the subscription) before any letter exists.
+    async fn start(client: &async_nats::Client) -> Result<LetterWatch, String> {
+        let mut letters = client
+            .subscribe(DLQ_SUBJECT)
+            .await
+            .map_err(|e| format!("subscribe to {DLQ_SUBJECT}: {e}"))?;
+        client.flush().await.map_err(|e| format!("flush: {e}"))?;
+        let seen = Arc::new(Mutex::new(WireCounts::default()));
+        let counts = Arc::clone(&seen);
+        let task = tokio::spawn(async move {
+            while let Some(letter) = letters.next().await {
+                let header = |name: &str| {
+                    let value = letter.headers.as_ref().and_then(|h| h.get(name));
+                    value.and_then(|v| v.as_str().parse::<i64>().ok())
+                };
+                let seq = header("Inbox-Stream-Seq").unwrap_or(0) as u64;
+                let last = header("Inbox-Delivered") == Some(MAX_DELIVER);
+                let mut counts = counts.lock().expect("letter counts");
+                *counts.by_seq.entry(seq).or_insert(0) += 1;
+                counts.at_last += usize::from(last);
+            }
+        });
+        Ok(LetterWatch { seen, task })
+    }
+
+    /// What it saw so far.
+    fn counts(&self) -> WireCounts {
+        self.seen.lock().expect("letter counts").clone()
+    }
+}
+
+impl Drop for LetterWatch {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Lets the dead-letter stream store letters again: no byte limit, discard old (as the runtime
+/// creates it).
+async fn lift_outage(js: &jetstream::Context) -> Result<(), String> {
+    let what = |e: &dyn std::fmt::Display| format!("dead-letter stream {DLQ_STREAM}: {e}");
+    let mut dlq = js.get_stream(DLQ_STREAM).await.map_err(|e| what(&e))?;
+    let mut config = dlq.info().await.map_err(|e| what(&e))?.config.clone();
+    config.max_bytes = -1;
+    config.discard = DiscardPolicy::Old;
+    js.update_stream(config).await.map_err(|e| what(&e))?;
+    Ok(())
+}
+
+/// Runs the `credit` processes through the faults until every fault is done and the consumer has
+/// drained (every message answered for good); returns the faults and the duplicates the
+/// survivors report skipping.
+#[allow(clippy::too_many_arguments)]
 async fn supervise(
     config: &CreditConfig,
     log: impl Fn(usize) -> PathBuf,
@@ -313,38 +1029,126 @@ async fn supervise(
     db: &Database,
     pool: &AnyPool,
     js: &jetstream::Context,
+    watch: LetterWatch,
+    letters_expected: u64,
 ) -> Result<(Faults, u64), String> {
     let spawn = |k: usize| CreditProcess::spawn(config, Some(&log(k)));
     let mut children: Vec<CreditProcess> = (0..INSTANCES).map(spawn).collect::<Result<_, _>>()?;
+    let mut started: Vec<Instant> = vec![Instant::now(); INSTANCES];
     let deadline = Duration::from_secs(300) + Duration::from_millis(20 * n as u64);
     let mut poll = Poll::new(
-        "every request to be applied and the consumer drained",
+        "every fault to be done and the consumer to be drained",
         deadline,
     );
     let mut faults = Faults {
         kills: 0,
+        pause: Pause::Pending,
         nats_restarted: false,
         db_cut: DbCut::Pending,
+        outage: Outage::Rejecting {
+            since: Instant::now(),
+        },
     };
+    let mut watch = Some(watch);
     let mut last_kill = Instant::now();
     let n = n as i64;
+    // The last count that could be read: a failed look (the database is being cut) is not 0.
+    let mut applied_now = 0;
     loop {
-        let applied = applied(pool).await.unwrap_or(0);
-        let drained = backlog(js, STREAM, DURABLE)
-            .await
-            .is_ok_and(|b| b.drained());
-        if faults.all_done() && applied >= n && drained {
+        let last_error = match applied(pool).await {
+            Ok(a) => {
+                applied_now = a;
+                None
+            }
+            Err(e) => Some(e),
+        };
+        let applied = applied_now;
+        let backlog = backlog(js, STREAM, DURABLE).await.ok();
+        let drained = backlog.is_some_and(|b| b.drained());
+        // Once every message was handed out, what is left are redeliveries, among them the
+        // unopened credits' last: no more crashes (see the module's doc).
+        let undelivered = backlog.is_none_or(|b| b.pending > 0);
+        // Drained, nothing is left to deliver: whatever is not applied by now never will be,
+        // and the audit says which.
+        if faults.all_done() && drained {
             break;
         }
-        // Every two seconds, and at least once early on, however fast the run.
+
+        // The dead-letter stream rejects until a letter was rejected on its last delivery.
+        if let (Outage::Rejecting { since }, Some(w)) = (faults.outage, &watch) {
+            let seen = w.counts();
+            if seen.at_last > 0 || since.elapsed() > OUTAGE_AT_MOST {
+                match lift_outage(js).await {
+                    Ok(()) => {
+                        let (rejected, messages) = (seen.by_seq.values().sum(), seen.by_seq.len());
+                        let lasted = since.elapsed();
+                        println!(
+                            "  dead-letter stream stores again after {:.1}s: it rejected \
+                             {rejected} letter publishes of {messages} messages, {} on a last \
+                             delivery ({applied} applied)",
+                            lasted.as_secs_f64(),
+                            seen.at_last,
+                        );
+                        faults.outage = Outage::Lifted {
+                            rejected,
+                            messages,
+                            at_last: seen.at_last,
+                            lasted,
+                        };
+                        watch = None;
+                    }
+                    // The nats-server may be restarting: try again at the next look.
+                    Err(e) => println!("  lifting the dead-letter outage failed: {e}"),
+                }
+            }
+        }
+
+        let frozen = match faults.pause {
+            Pause::Frozen { k, .. } => Some(k),
+            _ => None,
+        };
+        // Every two seconds, and at least once early on, however fast the run; never the frozen
+        // process, which is let go, not killed.
         let due = last_kill.elapsed() > KILL_EVERY || (faults.kills == 0 && applied >= n / 6);
-        if due && applied < n {
-            let k = (uuid::Uuid::new_v4().as_u128() % INSTANCES as u128) as usize;
+        if due && applied < n && undelivered {
+            let pick = (uuid::Uuid::new_v4().as_u128() % INSTANCES as u128) as usize;
+            let k = if Some(pick) == frozen {
+                (pick + 1) % INSTANCES
+            } else {
+                pick
+            };
             children[k].kill().await?;
             children[k] = spawn(k)?;
+            started[k] = Instant::now();
             faults.kills += 1;
             last_kill = Instant::now();
         }
+
+        match faults.pause {
+            // The process that has run longest: it is the likeliest to hold messages.
+            Pause::Pending if applied >= n / 2 => {
+                let k = (0..INSTANCES)
+                    .min_by_key(|&k| started[k])
+                    .expect("instances");
+                children[k].pause()?;
+                println!("  freezing credit #{k} (SIGSTOP) for {PAUSE_FOR:?} ({applied} applied)");
+                faults.pause = Pause::Frozen {
+                    k,
+                    since: Instant::now(),
+                };
+            }
+            Pause::Frozen { k, since } if since.elapsed() >= PAUSE_FOR => {
+                children[k].resume()?;
+                let held = since.elapsed();
+                println!(
+                    "  letting credit #{k} go on (SIGCONT) after {:.1}s ({applied} applied)",
+                    held.as_secs_f64()
+                );
+                faults.pause = Pause::Done { held };
+            }
+            _ => {}
+        }
+
         if !faults.nats_restarted && applied >= n / 3 {
             println!("  killing and restarting nats-server ({applied} applied)");
             nats.restart().await?;
@@ -357,9 +1161,27 @@ async fn supervise(
                 None => DbCut::NotApplicable,
             };
         }
-        poll.tick()
-            .await
-            .map_err(|e| format!("{e} ({applied} of {n} applied)"))?;
+        poll.tick().await.map_err(|e| {
+            let last = last_error
+                .as_ref()
+                .map_or(String::new(), |e| format!("; last look failed: {e}"));
+            format!("{e} ({applied} of {n} applied, faults {faults:?}{last})")
+        })?;
+    }
+    // A letter parked on a last delivery is relayed by the processes: keep them until the stream
+    // holds a letter per message to reject, or the wait is over (the audit names what is missing).
+    let mut wait = Poll::new("the letters to be stored", LETTERS_WITHIN);
+    loop {
+        let stored = stored_letters(js).await;
+        if stored.as_ref().is_ok_and(|&k| k >= letters_expected) {
+            break;
+        }
+        if wait.tick().await.is_err() {
+            println!(
+                "  after {LETTERS_WITHIN:?}, letters stored: {stored:?} of {letters_expected}"
+            );
+            break;
+        }
     }
     let mut skipped = 0;
     for child in children {
@@ -368,62 +1190,313 @@ async fn supervise(
     Ok((faults, skipped))
 }
 
-/// Counts what the run came to from the database and the dead-letter stream.
-async fn verify(
+/// Reads back what the run left: markers, balances, letters. Any failed query is an error.
+async fn observe(
     backend: Backend,
-    published: Published,
-    faults: Faults,
-    skipped: u64,
     pool: &AnyPool,
     js: &jetstream::Context,
-) -> Result<Report, String> {
-    let n = published.unique;
-    let accounts = |filter: String| {
-        scalar(
-            pool,
-            format!("SELECT count(*) FROM accounts WHERE {filter}"),
-        )
+) -> Result<Observed, String> {
+    // MySQL's message_key is VARBINARY (exact keys); read it as text.
+    let key = match backend {
+        Backend::MySql => "CAST(message_key AS CHAR)",
+        _ => "message_key",
     };
-    let once = accounts(format!("id < {n} AND balance = 1")).await?;
-    let twice = accounts(format!("id < {n} AND balance >= 2")).await?;
-    let overdrawn = accounts(format!("id >= {n}")).await?;
-    // A failed audit is a failure, never a count of 0: the run always dead-letters, so the
-    // stream must exist.
-    let dead_actual = js
-        .get_stream(DLQ_STREAM)
+    let keys = |done: &str| {
+        let sql = format!(
+            "SELECT {key} FROM inbox WHERE consumer = '{CONSUMER}' AND processed_at IS {done}"
+        );
+        async move {
+            sqlx::query_scalar::<_, String>(AssertSqlSafe(sql.clone()).into_sql_str())
+                .fetch_all(pool)
+                .await
+                .map_err(|e| format!("{sql}: {e}"))
+        }
+    };
+    let markers = keys("NOT NULL").await?.into_iter().collect();
+    let open_markers = keys("NULL").await?;
+    let sql = "SELECT id, balance FROM accounts";
+    let balances = sqlx::query_as::<_, (i64, i64)>(sql)
+        .fetch_all(pool)
         .await
-        .map_err(|e| format!("dead-letter stream {DLQ_STREAM}: {e}"))?
-        .info()
-        .await
-        .map_err(|e| format!("dead-letter stream {DLQ_STREAM} info: {e}"))?
-        .state
-        .messages;
-    let _ = js.delete_stream(STREAM).await;
-    Ok(Report {
-        backend,
-        applied: applied(pool).await?,
-        skipped,
-        dead_actual,
-        overdrawn,
-        lost: n as i64 - once - twice,
-        twice,
-        faults,
-        published,
+        .map_err(|e| format!("{sql}: {e}"))?
+        .into_iter()
+        .collect();
+    Ok(Observed {
+        markers,
+        open_markers,
+        balances,
+        letters: letters(js).await?,
     })
 }
 
-/// Markers of `credit`'s requests.
-async fn applied(pool: &AnyPool) -> Result<i64, String> {
-    scalar(
-        pool,
-        "SELECT count(*) FROM inbox WHERE consumer = 'credit'".into(),
-    )
-    .await
+/// Every message of the dead-letter stream, read one by one; fails unless all were read.
+async fn letters(js: &jetstream::Context) -> Result<Vec<Letter>, String> {
+    let what = |e: &dyn std::fmt::Display| format!("dead-letter stream {DLQ_STREAM}: {e}");
+    let mut dlq = js.get_stream(DLQ_STREAM).await.map_err(|e| what(&e))?;
+    let state = dlq.info().await.map_err(|e| what(&e))?.state.clone();
+    let mut letters = Vec::new();
+    if state.messages > 0 {
+        for seq in state.first_sequence..=state.last_sequence {
+            match dlq.get_raw_message(seq).await {
+                Ok(m) => letters.push(Letter::from(m)),
+                Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
+                Err(e) => return Err(what(&format!("message {seq}: {e}"))),
+            }
+        }
+    }
+    if letters.len() as u64 != state.messages {
+        return Err(what(&format!(
+            "read {} letters, the stream holds {}",
+            letters.len(),
+            state.messages
+        )));
+    }
+    Ok(letters)
 }
 
-async fn scalar(pool: &AnyPool, sql: String) -> Result<i64, String> {
+/// How many letters the dead-letter stream holds, for following the run's progress.
+async fn stored_letters(js: &jetstream::Context) -> Result<u64, String> {
+    let what = |e: &dyn std::fmt::Display| format!("dead-letter stream {DLQ_STREAM}: {e}");
+    let mut dlq = js.get_stream(DLQ_STREAM).await.map_err(|e| what(&e))?;
+    Ok(dlq.info().await.map_err(|e| what(&e))?.state.messages)
+}
+
+/// Markers of `credit`'s requests, for following the run's progress.
+async fn applied(pool: &AnyPool) -> Result<i64, String> {
+    let sql = format!("SELECT count(*) FROM inbox WHERE consumer = '{CONSUMER}'");
     sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql.clone()).into_sql_str())
         .fetch_one(pool)
         .await
         .map_err(|e| format!("{sql}: {e}"))
+}
+
+/// Runs one statement.
+async fn execute(pool: &AnyPool, sql: String) -> Result<(), String> {
+    sqlx::query(AssertSqlSafe(sql.clone()).into_sql_str())
+        .execute(pool)
+        .await
+        .map(drop)
+        .map_err(|e| format!("{sql}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The audit on hand-made results: each way a message can end wrong is named, with the
+    //! message.
+    use super::*;
+
+    /// Two requests (r-0 on account 0, r-1 on account 1, each published twice), one poison and
+    /// one unopened credit; sequences 1..=6.
+    fn published() -> Published {
+        let mut by_seq = BTreeMap::new();
+        let request = |i: i64, msg_id: bool| Sent {
+            kind: Kind::Request,
+            label: format!("r-{i}"),
+            key: Some(format!("r-{i}")),
+            account: Some(i),
+            msg_id: msg_id.then(|| format!("r-{i}")),
+            payload: format!("request {i}").into_bytes(),
+        };
+        by_seq.insert(1, request(0, true));
+        by_seq.insert(2, request(1, true));
+        by_seq.insert(
+            3,
+            Sent {
+                kind: Kind::Poison,
+                label: "poison-0".into(),
+                key: None,
+                account: None,
+                msg_id: None,
+                payload: b"{ not json 0".to_vec(),
+            },
+        );
+        by_seq.insert(4, request(0, false));
+        by_seq.insert(5, request(1, false));
+        by_seq.insert(
+            6,
+            Sent {
+                kind: Kind::Unopened,
+                label: "u-0".into(),
+                key: Some("u-0".into()),
+                account: Some(9),
+                msg_id: None,
+                payload: b"unopened".to_vec(),
+            },
+        );
+        Published {
+            by_seq,
+            requests: 2,
+            dead_expected: 2,
+        }
+    }
+
+    fn letter(dlq_seq: u64, seq: u64, payload: &[u8], delivered: i64) -> Letter {
+        Letter {
+            dlq_seq,
+            subject: DLQ_SUBJECT.into(),
+            consumer: Some(CONSUMER.into()),
+            stream: Some(STREAM.into()),
+            stream_seq: Some(seq.to_string()),
+            delivered: Some(delivered.to_string()),
+            error: Some("boom".into()),
+            msg_id: Some(format!("dlq:{CONSUMER}:{STREAM}:{seq}")),
+            original_msg_id: None,
+            payload: payload.to_vec(),
+        }
+    }
+
+    /// Everything as it should be.
+    fn clean() -> Observed {
+        Observed {
+            markers: ["r-0", "r-1"].map(String::from).into(),
+            open_markers: Vec::new(),
+            balances: [(0, 1), (1, 1)].into(),
+            letters: vec![
+                letter(1, 3, b"{ not json 0", 1),
+                letter(2, 6, b"unopened", MAX_DELIVER),
+            ],
+        }
+    }
+
+    fn problems(seen: &Observed) -> Vec<(Problem, Vec<String>)> {
+        audit(&published(), seen).problems.into_iter().collect()
+    }
+
+    #[test]
+    fn a_clean_run_has_no_findings() {
+        let f = audit(&published(), &clean());
+        assert!(f.problems.is_empty(), "{:?}", f.problems);
+        assert_eq!((f.applied_once, f.dead_once), (2, 2));
+    }
+
+    #[test]
+    fn a_lost_request_and_a_double_apply_are_named() {
+        let mut seen = clean();
+        seen.markers.remove("r-1");
+        seen.balances.remove(&1);
+        seen.balances.insert(0, 2);
+        assert_eq!(
+            problems(&seen),
+            [
+                (Problem::Lost, vec!["r-1".to_owned()]),
+                (Problem::AppliedTwice, vec!["r-0 (balance 2)".to_owned()]),
+            ]
+        );
+    }
+
+    #[test]
+    fn torn_requests_are_named() {
+        let mut seen = clean();
+        seen.markers.remove("r-0");
+        seen.balances.remove(&1);
+        seen.open_markers.push("r-9".into());
+        assert_eq!(
+            problems(&seen),
+            [
+                (Problem::MarkerWithoutEffect, vec!["r-1".to_owned()]),
+                (Problem::EffectWithoutMarker, vec!["r-0".to_owned()]),
+                (Problem::OpenMarker, vec!["r-9".to_owned()]),
+            ]
+        );
+    }
+
+    #[test]
+    fn letters_are_matched_by_sequence_and_checked() {
+        let mut seen = clean();
+        // A second letter for the poison, a letter for a request's second copy, the unopened
+        // credit's letter written before max_deliver, a letter whose payload is another's.
+        seen.letters.push(letter(3, 3, b"{ not json 0", 2));
+        seen.letters.push(letter(4, 5, b"request 1", 1));
+        seen.letters[1].delivered = Some("3".into());
+        seen.letters.push(letter(5, 4, b"{ not json 0", 1));
+        assert_eq!(
+            problems(&seen),
+            [
+                (Problem::DeadLetteredRequest, vec!["r-1".to_owned()]),
+                (
+                    Problem::DeadLetteredTwice,
+                    vec!["poison-0 (2 letters)".to_owned()]
+                ),
+                (
+                    Problem::BeforeMaxDeliver,
+                    vec!["u-0 (delivery 3)".to_owned()]
+                ),
+                (
+                    Problem::StrayLetter,
+                    vec!["letter #5: payload is not that of r-0 (seq 4)".to_owned()]
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_missing_letter_an_applied_rejection_and_stray_rows_are_named() {
+        let mut seen = clean();
+        seen.letters.remove(0);
+        seen.letters.remove(0);
+        seen.markers.insert("u-0".into());
+        seen.markers.insert("ghost".into());
+        seen.balances.insert(9, 1);
+        seen.balances.insert(42, 1);
+        assert_eq!(
+            problems(&seen),
+            [
+                (Problem::NotDeadLettered, vec!["poison-0".to_owned()]),
+                (Problem::AppliedRejected, vec!["u-0".to_owned()]),
+                (
+                    Problem::StrayRow,
+                    vec!["account 42".to_owned(), "marker ghost".to_owned()]
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_letter_must_name_its_original_everywhere() {
+        let p = published();
+        let ok = letter(1, 3, b"{ not json 0", 1);
+        assert_eq!(origin(&ok, &p), Ok(3));
+        let wrong = [
+            Letter {
+                consumer: Some("other".into()),
+                ..ok.clone()
+            },
+            Letter {
+                stream_seq: Some("77".into()),
+                ..ok.clone()
+            },
+            Letter {
+                msg_id: None,
+                ..ok.clone()
+            },
+            Letter {
+                original_msg_id: Some("x".into()),
+                ..ok.clone()
+            },
+            Letter {
+                error: None,
+                ..ok.clone()
+            },
+            Letter {
+                subject: "inbox.dlq.other".into(),
+                ..ok.clone()
+            },
+        ];
+        for letter in wrong {
+            assert!(origin(&letter, &p).is_err(), "{letter:?}");
+        }
+        let first_copy = Letter {
+            original_msg_id: Some("r-0".into()),
+            ..letter(9, 1, b"request 0", 1)
+        };
+        assert_eq!(origin(&first_copy, &p), Ok(1));
+    }
+
+    #[test]
+    fn the_backoff_fits_max_deliver_and_waits_ack_wait_every_time() {
+        let b = backoff();
+        assert_eq!(b.len(), MAX_DELIVER as usize - 1);
+        assert!(b.iter().all(|&d| d == ACK_WAIT));
+        assert!(PAUSE_FOR > ACK_WAIT);
+    }
 }

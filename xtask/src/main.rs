@@ -15,9 +15,12 @@ tasks:
           processes at once, and check that every balance is exact; SQLite under target/
           unless DATABASE_URL is set, and a private nats-server if none answers at NATS_URL
   chaos   [--db postgres|mysql|sqlite|all] [--messages N] [--release]
-          exactly once under faults: three `credit` processes, one SIGKILLed every 2 s, the
-          nats-server restarted once, every database connection cut once; prints a table and
-          fails if anything was lost, applied twice, or not dead-lettered
+          exactly once under faults, audited message by message: three `credit` processes,
+          one SIGKILLed every 2 s, one frozen (SIGSTOP) for twice ack_wait then let go, the
+          nats-server restarted once, every database connection cut once, the dead-letter
+          stream rejecting letters until one is retried, and messages that fail until
+          max_deliver; prints a table and fails, naming example ids, unless every request id
+          is applied exactly once and every rejected message dead-lettered exactly once
   test    what CI runs: make sure NATS, PostgreSQL and MariaDB answer (starting them if they are
           down), check formatting and clippy, run every test in the workspace, then a short
           chaos run on every backend
