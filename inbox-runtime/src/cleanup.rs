@@ -108,10 +108,13 @@ impl<DB: InboxBackend> Inbox<DB> {
             conn: self.pool().acquire().await?,
             locked: false,
         };
+        // Counted as held from before the request: cancelled while the server grants it, the
+        // connection must not go back to the pool holding it.
+        conn.locked = true;
         if !DB::try_cleanup_lock(&mut conn.conn, &lock).await? {
+            conn.locked = false;
             return Ok(None);
         }
-        conn.locked = true;
         let (secs, limit) = (older_than.as_secs_f64(), i64::from(batch.max(1)));
         let mut deleted = 0;
         let result = loop {
@@ -172,7 +175,9 @@ impl<DB: InboxBackend> Inbox<DB> {
                 durable: durable.cached_info().name.clone(),
                 source,
             })?;
-        Ok(self.cleanup(consumer, retention + lag, batch).await?)
+        Ok(self
+            .cleanup(consumer, retention.saturating_add(lag), batch)
+            .await?)
     }
 }
 

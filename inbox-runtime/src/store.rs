@@ -134,8 +134,11 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// partitioned) then fails with a transient error and is redelivered later, instead of
     /// holding its slot for as long as TCP keepalive allows. SQLite waits for its write lock as
     /// long as the connection's busy timeout (see [`sqlite_options`](crate::sqlite_options)).
-    /// Keep it below the worker's [deadline](crate::WorkerBuilder::deadline).
+    /// Keep it below the worker's [deadline](crate::WorkerBuilder::deadline). Between 1 ms and
+    /// 24 days.
     pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        // PostgreSQL takes at most i32::MAX milliseconds (24.8 days), and 0 would mean no limit.
+        let timeout = timeout.clamp(Duration::from_millis(1), Duration::from_secs(24 * 86400));
         self.sql = Statements::new::<DB>(&self.table, timeout);
         self
     }
@@ -231,6 +234,19 @@ impl<DB: InboxBackend> Inbox<DB> {
                 other
             }
         }
+    }
+
+    /// Whether the database answers: a connection from the pool, pinged, within 5 s.
+    pub(crate) async fn answers(&self) -> bool {
+        use sqlx::Connection;
+        let ping = async {
+            let mut conn = self.pool.acquire().await?;
+            conn.ping().await
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), ping).await,
+            Ok(Ok(()))
+        )
     }
 
     /// COMMIT failed with `source`, and its outcome is unknown: the connection may have been

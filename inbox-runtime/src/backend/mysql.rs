@@ -157,12 +157,15 @@ impl Backend for MySql {
         conn: &'a mut sqlx::MySqlConnection,
         name: &'a str,
     ) -> Result<bool, sqlx::Error> {
-        let got: Option<i64> = // MySQL refuses lock names over 64 characters (ours can reach 263): the SHA-256 in hex
-        // is exactly 64, and the same for every instance.
-        sqlx::query_scalar("SELECT GET_LOCK(SHA2(?, 256), 0)")
-            .bind(name)
-            .fetch_one(conn)
-            .await?;
+        // MySQL refuses lock names over 64 characters (ours can reach 263): the SHA-256 in hex
+        // is exactly 64, and the same for every instance. Lock names are server-wide, so the
+        // database's name is part of it: inboxes of two databases on one server (two
+        // applications, or two tests) must not take each other's lock.
+        let got: Option<i64> =
+            sqlx::query_scalar("SELECT GET_LOCK(SHA2(CONCAT(DATABASE(), ?), 256), 0)")
+                .bind(name)
+                .fetch_one(conn)
+                .await?;
         Ok(got == Some(1))
     }
 
@@ -170,7 +173,7 @@ impl Backend for MySql {
         conn: &'a mut sqlx::MySqlConnection,
         name: &'a str,
     ) -> Result<(), sqlx::Error> {
-        sqlx::query("DO RELEASE_LOCK(SHA2(?, 256))")
+        sqlx::query("DO RELEASE_LOCK(SHA2(CONCAT(DATABASE(), ?), 256))")
             .bind(name)
             .execute(conn)
             .await

@@ -34,6 +34,8 @@ pub(crate) struct DeadLetters {
 pub(crate) struct DeadLetter<'a> {
     pub consumer: &'a str,
     pub stream: &'a str,
+    /// The stream's creation time (Unix nanoseconds), when known.
+    pub stream_created: Option<i128>,
     pub stream_seq: u64,
     pub delivered: i64,
     pub error: &'a str,
@@ -80,7 +82,7 @@ impl DeadLetters {
                 .map(|_| ())
             })
             .await?;
-        let max = js.client().server_info().max_payload;
+        let max = js.client().max_payload();
         let (headers, payload) = fit(headers, payload, max);
         let ack = js
             .publish_with_headers(self.subject.clone(), headers, payload)
@@ -128,11 +130,18 @@ pub(crate) async fn relay_parked<DB: InboxBackend>(
 ) -> Result<usize, async_nats::Error> {
     let mut sent = 0;
     for (id, headers, payload) in inbox.parked_letters(consumer).await? {
-        letters
+        // One letter the stream refuses (too large for its max_msg_size, say) must not hold up
+        // the others: it stays parked, and is tried again next time.
+        match letters
             .send(js, header_map(&headers), Bytes::from(payload))
-            .await?;
-        inbox.unpark_letter(id).await?;
-        sent += 1;
+            .await
+        {
+            Ok(()) => {
+                inbox.unpark_letter(id).await?;
+                sent += 1;
+            }
+            Err(e) => tracing::warn!(id, error = %e, "a parked dead letter is still refused"),
+        }
     }
     Ok(sent)
 }
@@ -214,10 +223,18 @@ pub(crate) fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'
     headers.insert("Inbox-Delivered", letter.delivered.to_string().as_str());
     // One id per consumer and stored message: JetStream drops a second letter for the same
     // delivery (a retry after a lost PubAck), never the letter of another consumer.
-    let id = format!(
-        "dlq:{}:{}:{}",
-        letter.consumer, letter.stream, letter.stream_seq
-    );
+    // With the stream's creation time when known: a stream created again restarts its
+    // sequences, and its letters must not be dropped as duplicates of its predecessor's.
+    let id = match letter.stream_created {
+        Some(created) => format!(
+            "dlq:{}:{}:{created}:{}",
+            letter.consumer, letter.stream, letter.stream_seq
+        ),
+        None => format!(
+            "dlq:{}:{}:{}",
+            letter.consumer, letter.stream, letter.stream_seq
+        ),
+    };
     headers.insert(NATS_MESSAGE_ID, id.as_str());
     headers
 }
@@ -245,6 +262,7 @@ mod tests {
         DeadLetter {
             consumer: "orders",
             stream: "S",
+            stream_created: None,
             stream_seq: 9,
             delivered: 1,
             error: "boom",

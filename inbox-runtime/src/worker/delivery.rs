@@ -97,6 +97,11 @@ impl StreamCreated {
         Ok(created)
     }
 
+    /// The creation time, if looked up already.
+    pub(super) fn cached(&self) -> Option<i128> {
+        *self.0.lock().expect("the stream lock")
+    }
+
     /// Looks the stream up again next time.
     pub(super) fn forget(&self) {
         *self.0.lock().expect("the stream lock") = None;
@@ -149,14 +154,20 @@ where
                     v
                 }
             };
-            self.answer(&message, verdict, &delivery).await
+            self.answer(&message, verdict, &delivery, &shutdown).await
         }
         .instrument(span)
         .await
     }
 
     /// Tells JetStream the verdict and counts it.
-    async fn answer(&self, message: &Message, verdict: Verdict, delivery: &Delivery) {
+    async fn answer(
+        &self,
+        message: &Message,
+        verdict: Verdict,
+        delivery: &Delivery,
+        shutdown: &CancellationToken,
+    ) {
         let span = tracing::Span::current();
         // Recorded before acting, so that what is logged while answering carries it.
         let outcome = |name: &'static str| {
@@ -186,14 +197,25 @@ where
                 }
             }
             Verdict::DeadLetter(reason) => {
+                let created = self.stream_created.cached();
                 let letter = DeadLetter {
                     consumer: H::CONSUMER,
                     stream: &delivery.stream,
+                    stream_created: created,
                     stream_seq: delivery.stream_seq,
                     delivered: delivery.delivered,
                     error: &reason,
                 };
-                match self.dead_letters.publish(message, &letter).await {
+                let last = delivery.delivered >= self.settings.limits.max_deliver;
+                let stored = if last {
+                    let keep = self.keep_letter(message, &letter, shutdown);
+                    with_progress(message, self.settings.progress_every, keep).await
+                } else {
+                    self.dead_letters.publish(message, &letter).await.map_err(|e| {
+                        tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
+                    })
+                };
+                match stored {
                     Ok(()) => {
                         outcome("dead_letter");
                         tracing::error!(error = %reason, "message dead-lettered and terminated");
@@ -203,36 +225,9 @@ where
                         }
                         &counters.terminated
                     }
-                    // Never lose it. On the last delivery a nak would never come back: the letter
-                    // waits in the database for the stream to take it, and the original is termed.
-                    Err(e) if delivery.delivered >= self.settings.limits.max_deliver => {
-                        let headers =
-                            header_pairs(&letter_headers(message.headers.as_ref(), &letter));
-                        match self
-                            .inbox
-                            .park_letter(H::CONSUMER, &headers, &message.payload)
-                            .await
-                        {
-                            Ok(()) => {
-                                outcome("dead_letter");
-                                tracing::error!(error = %reason, publish_error = %e, "dead letter refused by the stream on the last delivery; kept in the database until the stream takes it, message terminated");
-                                if let Err(e) = message.ack_with(AckKind::Term).await {
-                                    tracing::warn!(error = %e, "term failed after parking the dead letter");
-                                }
-                                &counters.terminated
-                            }
-                            Err(db) => {
-                                outcome("nak");
-                                tracing::error!(error = %reason, publish_error = %e, database_error = %db, stream_seq = delivery.stream_seq, "dead letter neither published nor kept on the last delivery: the message stays in its stream, unacknowledged, and is not redelivered");
-                                nak(message, Duration::from_secs(1)).await;
-                                &counters.nacked
-                            }
-                        }
-                    }
                     // Leave it with JetStream and try again later.
-                    Err(e) => {
+                    Err(()) => {
                         outcome("nak");
-                        tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
                         let delay = self.settings.limits.redelivery_delay(delivery.delivered);
                         nak(message, delay).await;
                         &counters.nacked
@@ -249,6 +244,51 @@ where
         tracing::debug!("answered");
     }
 
+    /// Stores the letter of a message on its last delivery, where a nak would never be
+    /// redelivered: in the dead-letter stream, else parked in the database (published later by
+    /// the worker), trying both with a growing wait until one holds it. Only a shutdown ends
+    /// the wait without it, and then the whole letter is logged, the last trace there can be.
+    async fn keep_letter(
+        &self,
+        message: &Message,
+        letter: &DeadLetter<'_>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), ()> {
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+        loop {
+            let published = match self.dead_letters.publish(message, letter).await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            let headers = header_pairs(&letter_headers(message.headers.as_ref(), letter));
+            let parked = self
+                .inbox
+                .park_letter(H::CONSUMER, &headers, &message.payload)
+                .await;
+            match parked {
+                Ok(()) => {
+                    tracing::error!(publish_error = %published, "dead letter refused by the stream on the last delivery; kept in the database until the stream takes it");
+                    return Ok(());
+                }
+                Err(db) => {
+                    let wait = backoff.next();
+                    tracing::error!(publish_error = %published, database_error = %db, retry_in = ?wait, "dead letter neither published nor kept on the last delivery; trying again");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => {
+                            tracing::error!(
+                                ?headers,
+                                payload = %String::from_utf8_lossy(&message.payload),
+                                "shutting down with a dead letter nowhere to store: the message stays in its stream, unacknowledged, and is not redelivered"
+                            );
+                            return Err(());
+                        }
+                        _ = tokio::time::sleep(wait) => {}
+                    }
+                }
+            }
+        }
+    }
+
     /// [`Self::process`], tried again in process with a fresh transaction while
     /// [`retry_in_process`] says so, and for as long as the database is unreachable (see
     /// `circuit.rs`; until `shutdown`). A failure comes with its class, decided once.
@@ -259,7 +299,9 @@ where
         shutdown: &CancellationToken,
     ) -> Result<Outcome, (ProcessError, ErrorClass)> {
         let mut attempt = 1;
-        let mut outage = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        // Jittered: twins that failed together do not all come back at once.
+        let mut outage =
+            Backoff::new(Duration::from_millis(100), Duration::from_secs(5)).with_jitter();
         loop {
             let deadline = self.settings.deadline;
             let tried = tokio::time::timeout(deadline, self.process(message, delivery)).await;
@@ -272,7 +314,9 @@ where
                 Err(_) => ProcessError::Deadline(deadline),
             };
             let class = classify::<H::Db>(&err);
-            if is_outage::<H::Db>(&err) {
+            // A lost connection in the chain may be another database's (a handler's own pool):
+            // only when the inbox's database does not answer either is it an outage.
+            if is_outage::<H::Db>(&err) && !self.inbox.answers().await {
                 // Every message would fail the same way: not this one's fault, so it spends no
                 // delivery. It waits, and its next try probes the database.
                 self.circuit.trip(&err);
@@ -283,7 +327,9 @@ where
                     _ = tokio::time::sleep(wait) => continue,
                 }
             }
-            self.circuit.close();
+            if reached_the_database(&err) {
+                self.circuit.close();
+            }
             let Some(wait) = retry_in_process(class, attempt, &self.settings.limits) else {
                 return Err((err, class));
             };
@@ -316,6 +362,16 @@ where
         .await
         .unwrap_or_else(|panic| Err(ProcessError::Panicked(panic_text(&*panic))))
     }
+}
+
+/// Whether the database answered on the way to `err` (so that it is reachable): a failure of
+/// the handler or of the inbox's SQL, not one that never got there (decoding, the key, the
+/// stream lookup, a deadline, a panic).
+fn reached_the_database(err: &ProcessError) -> bool {
+    matches!(
+        err,
+        ProcessError::Handler(_) | ProcessError::Database { .. }
+    )
 }
 
 /// Runs `work`, sending a progress ack every `every` while it runs: a slow but healthy handler,

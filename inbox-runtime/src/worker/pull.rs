@@ -37,15 +37,16 @@ where
             _ = shutdown.cancelled() => break,
             _ = inner.circuit.closed() => {}
         }
-        let (requested, pulled_at, mut received) = (free.len(), tokio::time::Instant::now(), 0);
+        let (requested, mut received) = (free.len(), 0);
         let request = inner
             .consumer
             .batch()
             .max_messages(free.len())
             .expires(inner.settings.fetch_expiry)
             .messages();
-        let mut batch = match request.await {
-            Ok(batch) => batch,
+        let (mut batch, pulled_at) = match request.await {
+            // Taken once the request is out: the server's expiry starts no earlier.
+            Ok(batch) => (batch, tokio::time::Instant::now()),
             Err(e) => {
                 inner.stream_created.forget();
                 pause(&mut backoff, shutdown, "pull request failed", e.to_string()).await;

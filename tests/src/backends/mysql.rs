@@ -44,9 +44,9 @@ impl TestBackend for MySql {
 
     server_queries!(
         sqlx::MySql,
-        lock = "SELECT GET_LOCK(SHA2(?, 256), 0)" -> Option<i64>,
+        lock = "SELECT GET_LOCK(SHA2(CONCAT(DATABASE(), ?), 256), 0)" -> Option<i64>,
         held = Some(1),
-        unlock = "DO RELEASE_LOCK(SHA2(?, 256))",
+        unlock = "DO RELEASE_LOCK(SHA2(CONCAT(DATABASE(), ?), 256))",
         // information_schema.innodb_trx proved unreliable on MariaDB 10.11 (it missed waiting
         // transactions while other sessions were open): look for a claim (or cleanup)
         // statement still executing instead; one that is not blocked returns at once.
