@@ -306,7 +306,7 @@ struct Letter {
     delivered: Option<String>,
     /// `Inbox-Error`: why.
     error: Option<String>,
-    /// `Nats-Msg-Id`: `dlq:<consumer>:<stream>:<seq>`.
+    /// `Nats-Msg-Id`: `dlq:<consumer>:<stream>:[<created>:]<seq>`.
     msg_id: Option<String>,
     /// `Inbox-Original-Msg-Id`: the original's `Nats-Msg-Id`, when it had one.
     original_msg_id: Option<String>,
@@ -550,8 +550,17 @@ fn origin(letter: &Letter, published: &Published) -> Result<u64, String> {
     if letter.payload != sent.payload {
         return Err(format!("payload is not that of {} (seq {seq})", sent.label));
     }
+    // `dlq:<consumer>:<stream>:<seq>`, or with the stream's creation time before the sequence
+    // when the worker knew it.
     let id = format!("dlq:{CONSUMER}:{STREAM}:{seq}");
-    if letter.msg_id.as_deref() != Some(&id) {
+    let with_created = letter.msg_id.as_deref().is_some_and(|m| {
+        m.strip_prefix(&format!("dlq:{CONSUMER}:{STREAM}:"))
+            .and_then(|rest| rest.strip_suffix(&format!(":{seq}")))
+            .is_some_and(|created| {
+                !created.is_empty() && created.bytes().all(|b| b.is_ascii_digit())
+            })
+    });
+    if letter.msg_id.as_deref() != Some(&id) && !with_created {
         return Err(format!("Nats-Msg-Id {:?}, not {id:?}", letter.msg_id));
     }
     if letter.original_msg_id != sent.msg_id {
