@@ -228,7 +228,7 @@ where
                     // Leave it with JetStream and try again later.
                     Err(()) => {
                         outcome("nak");
-                        let delay = self.settings.limits.redelivery_delay(delivery.delivered);
+                        let delay = self.settings.limits.nak_request(delivery.delivered);
                         nak(message, delay).await;
                         &counters.nacked
                     }

@@ -64,7 +64,8 @@ pub(crate) enum Verdict {
     Ack,
     /// A duplicate: ack, never nak (it is terminal).
     Skip,
-    /// Redeliver after this delay (never zero: a nak without delay is a hot loop).
+    /// Nak with this delay (never zero: a nak without delay is a hot loop); see
+    /// [`Limits::nak_request`].
     Nak(Duration),
     /// Publish a dead letter with this reason, then term; nak instead if it cannot be stored.
     DeadLetter(String),
@@ -93,6 +94,21 @@ impl Limits {
         match self.backoff.last() {
             None => self.nak_delay.delay(step),
             Some(last) => *self.backoff.get(step as usize).unwrap_or(last),
+        }
+    }
+
+    /// The delay to ask for in the nak after delivery `delivered` failed, so that the message
+    /// comes back after [`Limits::redelivery_delay`]. With a consumer `backoff`, nats-server (2.9
+    /// through 2.15: `processNak`, `checkPending`) counts a nak's delay from `backoff[0]` (which
+    /// it makes the consumer's `ack_wait`) and then waits the backoff step of the delivery: the
+    /// message comes back after `delay - backoff[0] + backoff[n]`. So the nak asks for
+    /// `backoff[0]` and gets the consumer's own schedule; asking for the step itself waited
+    /// `2 × step - backoff[0]`, and a step shorter than `backoff[0]` came back at once,
+    /// spending deliveries within milliseconds.
+    pub fn nak_request(&self, delivered: i64) -> Duration {
+        match self.backoff.first() {
+            Some(first) => *first,
+            None => self.redelivery_delay(delivered),
         }
     }
 
@@ -134,9 +150,7 @@ pub(crate) fn verdict(
             letter_text(err),
             limits.max_deliver
         )),
-        ErrorClass::Transient | ErrorClass::Unknown => {
-            Verdict::Nak(limits.redelivery_delay(delivered))
-        }
+        ErrorClass::Transient | ErrorClass::Unknown => Verdict::Nak(limits.nak_request(delivered)),
     }
 }
 
@@ -286,8 +300,11 @@ mod tests {
         assert_eq!(l.redelivery_delay(2), Duration::from_secs(60));
         assert_eq!(l.redelivery_delay(9), Duration::from_secs(60));
         assert_eq!(l.longest_nak(), Duration::from_secs(60));
-        let (v, _) = hears(ProcessError::Handler("plain".into()), 1, &l);
-        assert_eq!(v, Verdict::Nak(Duration::from_secs(5)));
+        // What the nak asks for: the server adds the delivery's step to it, less backoff[0].
+        for delivered in [1, 2, 4] {
+            let (v, _) = hears(ProcessError::Handler("plain".into()), delivered, &l);
+            assert_eq!(v, Verdict::Nak(Duration::from_secs(5)), "{delivered}");
+        }
     }
 
     #[test]
