@@ -25,7 +25,10 @@ mod wait;
 
 pub use credit::{CreditConfig, CreditProcess, Summary};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
-pub use nats::{Backlog, Outgoing, PrivateNats, backlog, connect, publish_acked, publish_and_wait};
+pub use nats::{
+    Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
+    publish_acked, publish_and_wait,
+};
 pub use proxy::TcpProxy;
 pub use wait::{Poll, wait_until};
 

