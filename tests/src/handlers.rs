@@ -147,7 +147,8 @@ pub enum LedgerError {
 }
 
 /// Defines, for the database `$db`, the test handlers: `ledger` (keyed by `msg.key`, steered by a
-/// [`Probe`]), `ledger_by_transport_id` (no `key`), `credit` (an upsert that a CHECK constraint can
+/// [`Probe`]), `ledger_by_transport_id` (no `key`), `probed_by_transport_id` (no `key`, steered by
+/// a [`Probe`]), `credit` (an upsert that a CHECK constraint can
 /// reject) and `payment` (an insert that a business UNIQUE can reject). The SQL takes the dialect's
 /// placeholders: ledger (key, account, amount), credit (account, amount), payment (account).
 #[macro_export]
@@ -181,6 +182,18 @@ macro_rules! backend_handlers {
             tx: &mut Tx<$db>,
         ) -> Result<(), sqlx::Error> {
             append(&msg, tx).await
+        }
+
+        /// Appends a ledger row; keyed by the transport id; steered by the probe.
+        #[idempotent(consumer = "probed_by_transport_id")]
+        pub async fn probed_by_transport_id(
+            msg: Entry,
+            tx: &mut Tx<$db>,
+            probe: &Probe,
+        ) -> Result<(), LedgerError> {
+            probe.on_run();
+            append(&msg, tx).await?;
+            probe.gate().await
         }
 
         /// Credits an account; a balance below zero violates a CHECK constraint.

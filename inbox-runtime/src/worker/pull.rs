@@ -30,6 +30,9 @@ where
     let permits = Arc::new(Semaphore::new(concurrency));
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
     let mut client = None;
+    // The highest delivery sequence seen: a consumer numbers its deliveries 1, 2, .. for as long
+    // as it lives, so one that goes back is a new consumer, on a stream that may be new too.
+    let mut last_delivery = 0;
     while let Some(mut free) = free_permits(&permits, concurrency, shutdown).await {
         // While the database is unreachable, nothing new is fetched (see `circuit.rs`).
         tokio::select! {
@@ -76,9 +79,18 @@ where
             backoff.reset();
             received += 1;
             client.get_or_insert_with(|| message.context.client());
-            let last = message
-                .info()
-                .is_ok_and(|i| i.delivered >= inner.settings.limits.max_deliver);
+            let (last, delivery_seq) = message.info().map_or((false, 0), |i| {
+                (
+                    i.delivered >= inner.settings.limits.max_deliver,
+                    i.consumer_sequence,
+                )
+            });
+            if delivery_seq <= last_delivery {
+                // The stream's creation time, which the default key names, must be looked up
+                // again: its messages may be another stream's under the same name.
+                inner.stream_created.forget();
+            }
+            last_delivery = delivery_seq;
             let permit = free.pop();
             if stopping && !last {
                 // Fetched but not started: given back rather than left to wait out ack_wait. A

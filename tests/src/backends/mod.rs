@@ -39,6 +39,8 @@ pub trait TestBackend: Send + Sync + 'static {
     type Ledger: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
     /// `ledger_by_transport_id`.
     type LedgerByTransportId: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
+    /// `probed_by_transport_id`.
+    type ProbedByTransportId: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
     /// `credit`.
     type Credit: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `payment`.

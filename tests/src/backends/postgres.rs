@@ -22,6 +22,7 @@ impl TestBackend for Postgres {
     type Db = sqlx::Postgres;
     type Ledger = handlers::ledger;
     type LedgerByTransportId = handlers::ledger_by_transport_id;
+    type ProbedByTransportId = handlers::probed_by_transport_id;
     type Credit = handlers::credit;
     type Payment = handlers::payment;
     const BACKEND: Backend = Backend::Postgres;
