@@ -163,6 +163,17 @@ macro_rules! backend_handlers {
             insert.bind(msg.amount).execute(&mut **tx).await.map(drop)
         }
 
+        /// Appends `msg` to the ledger as the probe steers: counted, then held or failed.
+        async fn append_probed(
+            msg: &Entry,
+            tx: &mut Tx<'_, $db>,
+            probe: &Probe,
+        ) -> Result<(), LedgerError> {
+            probe.on_run();
+            append(msg, tx).await?;
+            probe.gate().await
+        }
+
         /// Appends a ledger row; keyed by `msg.key`; steered by the probe.
         #[idempotent(consumer = "ledger", key = msg.key)]
         pub async fn ledger(
@@ -170,9 +181,7 @@ macro_rules! backend_handlers {
             tx: &mut Tx<$db>,
             probe: &Probe,
         ) -> Result<(), LedgerError> {
-            probe.on_run();
-            append(&msg, tx).await?;
-            probe.gate().await
+            append_probed(&msg, tx, probe).await
         }
 
         /// Appends a ledger row; keyed by the transport id.
@@ -191,9 +200,7 @@ macro_rules! backend_handlers {
             tx: &mut Tx<$db>,
             probe: &Probe,
         ) -> Result<(), LedgerError> {
-            probe.on_run();
-            append(&msg, tx).await?;
-            probe.gate().await
+            append_probed(&msg, tx, probe).await
         }
 
         /// Credits an account; a balance below zero violates a CHECK constraint.

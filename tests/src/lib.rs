@@ -30,6 +30,27 @@ pub fn through_proxy(url: &str, proxy_port: u16) -> (String, String) {
     )
 }
 
+/// Turns generic async test fns into a `#[tokio::test]` each on the server backends (PostgreSQL
+/// and MariaDB), in modules named after them: for the fault tests that put something between the
+/// code and the database server (SQLite is in-process; the conformance suite has its own list).
+#[macro_export]
+macro_rules! on_server_backends {
+    ($($test:ident),+ $(,)?) => {
+        $crate::on_server_backends!(@one postgres, $crate::backends::Postgres; $($test),+);
+        $crate::on_server_backends!(@one mysql, $crate::backends::MySql; $($test),+);
+    };
+    (@one $name:ident, $backend:ty; $($test:ident),+) => {
+        mod $name {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test::<$backend>().await
+                }
+            )+
+        }
+    };
+}
+
 /// Logs to the test's output when `RUST_LOG` is set.
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()

@@ -67,16 +67,4 @@ async fn connections_cut_mid_stream<B: TestBackend>() {
     );
 }
 
-/// The test on each server backend, in a module named after it.
-macro_rules! on_backend {
-    ($($name:ident: $backend:ty),+) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn connections_cut_mid_stream() {
-                super::connections_cut_mid_stream::<$backend>().await
-            }
-        }
-    )+};
-}
-
-on_backend!(postgres: inbox_tests::backends::Postgres, mysql: inbox_tests::backends::MySql);
+inbox_tests::on_server_backends!(connections_cut_mid_stream);

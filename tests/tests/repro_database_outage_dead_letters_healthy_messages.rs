@@ -72,16 +72,4 @@ async fn outage_dead_letters_nothing<B: TestBackend>() {
     assert_eq!(B::count(&db, distinct).await, MESSAGES);
 }
 
-/// The test on each server backend, in a module named after it.
-macro_rules! on_backend {
-    ($($name:ident: $backend:ty),+) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn outage_dead_letters_nothing() {
-                super::outage_dead_letters_nothing::<$backend>().await
-            }
-        }
-    )+};
-}
-
-on_backend!(postgres: inbox_tests::backends::Postgres, mysql: inbox_tests::backends::MySql);
+inbox_tests::on_server_backends!(outage_dead_letters_nothing);

@@ -36,16 +36,4 @@ async fn lost_commit_reply_is_looked_up<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }
 
-/// The test on each server backend, in a module named after it.
-macro_rules! on_backend {
-    ($($name:ident: $backend:ty),+) => {$(
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn lost_commit_reply_is_looked_up() {
-                super::lost_commit_reply_is_looked_up::<$backend>().await
-            }
-        }
-    )+};
-}
-
-on_backend!(postgres: inbox_tests::backends::Postgres, mysql: inbox_tests::backends::MySql);
+inbox_tests::on_server_backends!(lost_commit_reply_is_looked_up);

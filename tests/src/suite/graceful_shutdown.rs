@@ -6,6 +6,7 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, Running};
+use inbox_runtime::{Inbox, Worker};
 use inbox_testkit::wait_until;
 use std::time::{Duration, Instant};
 
@@ -81,6 +82,42 @@ async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     );
 }
 
+/// A first instance with `concurrency` permits whose handler holds `m-0` (published here) at the
+/// gate, the other permits being one pull request seen waiting at the server; started, not yet
+/// cancelled.
+async fn held_with_an_open_pull<B: TestBackend>(
+    nats: &NatsStream,
+    inbox: &Inbox<B::Db>,
+    concurrency: usize,
+    fetch_expiry: Duration,
+) -> (Worker<B::Ledger>, Running) {
+    nats.consumer("c", ACK_WAIT).await;
+    nats.publish_all([Entry::new("m-0", 1, 1).json()]).await;
+    let first = nats
+        .worker(inbox.clone(), nats.consumer_on_new_connection("c").await)
+        .concurrency(concurrency)
+        .fetch_expiry(fetch_expiry)
+        .build_with_state(B::Ledger::default(), Probe::held(false))
+        .unwrap();
+    assert_eq!(first.concurrency(), concurrency);
+    let run = Running::start(&first);
+    tokio::time::timeout(Duration::from_secs(30), first.state().entered())
+        .await
+        .expect("the handler did not start within 30 s");
+    // m-0 holds one permit in its handler; the others are one pull request waiting at the server.
+    wait_until(
+        "the free permits' pull request to wait at the server",
+        Duration::from_secs(30),
+        async || {
+            let info = nats.info("c").await;
+            (info.num_waiting, info.num_ack_pending) == (1, 1)
+        },
+    )
+    .await
+    .unwrap();
+    (first, run)
+}
+
 /// Concurrency 2, one handler held: the free permit keeps a pull request for one message open at
 /// the server. The pull loop never asks for more than its free permits, so a message is fetched
 /// but not started only when such a pull is open as the shutdown begins and brings a message
@@ -91,34 +128,9 @@ async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
 async fn shutdown_gives_back_what_a_pull_brings<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let nats = NatsStream::create().await;
-    nats.consumer("c", ACK_WAIT).await;
-    nats.publish_all([Entry::new("m-0", 1, 1).json()]).await;
-
-    let first = nats
-        .worker(inbox.clone(), nats.consumer_on_new_connection("c").await)
-        .concurrency(2)
-        // The pull stays open through the test (it ends when it has brought its message): the
-        // message it brings after the shutdown began cannot slip past it into a later pull.
-        .fetch_expiry(ACK_WAIT / 2)
-        .build_with_state(B::Ledger::default(), Probe::held(false))
-        .unwrap();
-    assert_eq!(first.concurrency(), 2);
-    let run = Running::start(&first);
-    tokio::time::timeout(Duration::from_secs(30), first.state().entered())
-        .await
-        .expect("the handler did not start within 30 s");
-    // m-0 holds one permit in its handler; the other permit is a pull request waiting at the
-    // server for one more message.
-    wait_until(
-        "the free permit's pull request to wait at the server",
-        Duration::from_secs(30),
-        async || {
-            let info = nats.info("c").await;
-            (info.num_waiting, info.num_ack_pending) == (1, 1)
-        },
-    )
-    .await
-    .unwrap();
+    // The pull stays open through the test (it ends when it has brought its message): the
+    // message it brings after the shutdown began cannot slip past it into a later pull.
+    let (first, run) = held_with_an_open_pull::<B>(&nats, &inbox, 2, ACK_WAIT / 2).await;
 
     run.cancel();
     let cancelled = Instant::now();
@@ -187,28 +199,7 @@ async fn shutdown_gives_back_what_a_pull_brings<B: TestBackend>() {
 async fn repro_shutdown_nak_spends_every_delivery<B: TestBackend>() {
     let (db, inbox) = setup::<B>(8).await;
     let nats = NatsStream::create().await;
-    nats.consumer("c", ACK_WAIT).await;
-    nats.publish_all([Entry::new("m-0", 1, 1).json()]).await;
-    let first = nats
-        .worker(inbox.clone(), nats.consumer_on_new_connection("c").await)
-        .concurrency(8)
-        .fetch_expiry(Duration::from_secs(5))
-        .build_with_state(B::Ledger::default(), Probe::held(false))
-        .unwrap();
-    let run = Running::start(&first);
-    tokio::time::timeout(Duration::from_secs(30), first.state().entered())
-        .await
-        .expect("the handler did not start within 30 s");
-    wait_until(
-        "the free permits' pull request to wait at the server",
-        Duration::from_secs(30),
-        async || {
-            let info = nats.info("c").await;
-            (info.num_waiting, info.num_ack_pending) == (1, 1)
-        },
-    )
-    .await
-    .unwrap();
+    let (first, run) = held_with_an_open_pull::<B>(&nats, &inbox, 8, Duration::from_secs(5)).await;
     run.cancel();
     nats.publish_all([Entry::new("m-1", 1, 1).json()]).await;
     wait_until(
