@@ -92,6 +92,8 @@ pub struct Options {
     backends: Vec<Backend>,
     messages: usize,
     release: bool,
+    /// Whether the private nats-servers run the current release instead of the machine's.
+    pub current_nats: bool,
 }
 
 impl Options {
@@ -101,10 +103,11 @@ impl Options {
             backends: Backend::ALL.to_vec(),
             messages: 2_000,
             release: false,
+            current_nats: false,
         }
     }
 
-    /// `[--db postgres|mysql|sqlite|all] [--messages N] [--release]`.
+    /// `[--db postgres|mysql|sqlite|all] [--messages N] [--release] [--nats machine|current]`.
     pub fn parse(args: &[String]) -> Result<Options, String> {
         let mut options = Options {
             messages: 20_000,
@@ -134,6 +137,15 @@ impl Options {
                         .ok_or("--messages takes a number of at least 100")?;
                 }
                 "--release" => options.release = true,
+                "--nats" => {
+                    options.current_nats = match it.next().map(String::as_str) {
+                        Some("machine") => false,
+                        Some("current") => true,
+                        other => {
+                            return Err(format!("--nats takes machine or current, not {other:?}"));
+                        }
+                    }
+                }
                 other => {
                     return Err(format!(
                         "unknown chaos option {other:?}; see `cargo xtask help`"
@@ -618,11 +630,20 @@ pub async fn run(options: Options) -> Result<(), String> {
     std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
     sqlx::any::install_default_drivers();
 
+    let (nats_server, version) = if options.current_nats {
+        (crate::nats_current::binary()?, crate::nats_current::VERSION)
+    } else {
+        (inbox_testkit::nats_server_binary()?, "the machine's")
+    };
     let mut reports = Vec::new();
     for &backend in &options.backends {
         let n = options.messages;
-        println!("\n== chaos on {} ({n} requests)", backend.name());
-        reports.push(chaos(backend, n, &credit, &logs).await?);
+        println!(
+            "\n== chaos on {} ({n} requests, nats-server {version})",
+            backend.name()
+        );
+        let binaries = (credit.as_path(), nats_server.as_path());
+        reports.push(chaos(backend, n, binaries, &logs).await?);
     }
 
     let row = |cells: [&str; 11]| {
@@ -720,9 +741,14 @@ pub async fn run(options: Options) -> Result<(), String> {
 }
 
 /// One backend's run: its own nats-server and database, publish, supervise, verify.
-async fn chaos(backend: Backend, n: usize, credit: &Path, logs: &Path) -> Result<Report, String> {
+async fn chaos(
+    backend: Backend,
+    n: usize,
+    (credit, nats_server): (&Path, &Path),
+    logs: &Path,
+) -> Result<Report, String> {
     let run = unique("");
-    let mut nats = PrivateNats::start().await?;
+    let mut nats = PrivateNats::start_binary(nats_server.to_owned()).await?;
     let db = Database::create(backend, "inbox_chaos_").await?;
     // chaos creates the SQLite file itself (with the accounts table, before any `credit`).
     let url = match backend {

@@ -15,17 +15,18 @@ tasks:
   demo    publish a few thousand credits (many duplicated), consume them with two `credit`
           processes at once, and check that every balance is exact; SQLite under target/
           unless DATABASE_URL is set, and a private nats-server if none answers at NATS_URL
-  chaos   [--db postgres|mysql|sqlite|all] [--messages N] [--release]
+  chaos   [--db postgres|mysql|sqlite|all] [--messages N] [--release] [--nats machine|current]
           exactly once under faults, audited message by message: three `credit` processes,
           one SIGKILLed every 2 s, one frozen (SIGSTOP) for twice ack_wait then let go, the
           nats-server restarted once, every database connection cut once, the dead-letter
           stream rejecting letters until one is retried, and messages that fail until
           max_deliver; prints a table and fails, naming example ids, unless every request id
-          is applied exactly once and every rejected message dead-lettered exactly once
+          is applied exactly once and every rejected message dead-lettered exactly once;
+          --nats current runs its nats-servers on the current release (see test --nats)
   test    what CI runs: make sure NATS, PostgreSQL and MariaDB answer (starting them if they are
           down), check formatting and clippy, run every test in the workspace, run the behaviour
           tests again on a current nats-server (see --nats), then a short chaos run on every
-          backend
+          backend with each nats-server
   test [--db postgres|mysql|sqlite] [--nats machine|current] [-- FILTER...]
           only some tests, nothing else (no formatting, clippy or chaos): those of one backend
           (tests named `<backend>::..`), and/or those whose name contains a FILTER; with --db,
@@ -115,8 +116,8 @@ async fn test(args: &[String]) -> Result<(), String> {
     }
 }
 
-/// What CI runs: services, formatting, lints, every test on the machine's nats-server, the
-/// behaviour tests again on a current release, then a short chaos run.
+/// What CI runs: services, formatting, lints, every test on the machine's nats-server and again
+/// on a current release, then a short chaos run on each.
 async fn everything() -> Result<(), String> {
     services::ensure(&services::needed(&Backend::ALL)).await?;
     cargo_step("formatting", &["fmt", "--all", "--", "--check"])?;
@@ -136,7 +137,10 @@ async fn everything() -> Result<(), String> {
     // The same build (the same packages, so no rebuild): the behaviour tests are what talks to
     // NATS; the unit tests that run again with them are quick.
     on_current_nats(&["test", "--workspace"]).await?;
-    chaos::run(chaos::Options::short()).await
+    chaos::run(chaos::Options::short()).await?;
+    let mut on_current = chaos::Options::short();
+    on_current.current_nats = true;
+    chaos::run(on_current).await
 }
 
 /// Runs `cargo args` against a current nats-server ([`nats_current::VERSION`]): a private one
