@@ -283,9 +283,16 @@ where
 async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Stream), StartError> {
     use async_nats::ConnectErrorKind;
     let shown = redact::url_list(&config.nats_url);
+    // NATS_URL may list several servers, comma-separated (the NATS convention for a cluster).
+    let servers: Vec<&str> = config
+        .nats_url
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
-        .connect(&config.nats_url)
+        .connect(servers)
         .await
         .map_err(|e| match e.kind() {
             ConnectErrorKind::Io | ConnectErrorKind::TimedOut | ConnectErrorKind::Dns => {
@@ -303,7 +310,15 @@ async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::St
             ..Default::default()
         })
         .await
-        .map_err(|e| format!("cannot get or create stream {}: {e}", config.stream))?;
+        .map_err(|e| {
+            use async_nats::jetstream::context::CreateStreamErrorKind as Kind;
+            let what = format!("cannot get or create stream {}: {e}", config.stream);
+            match e.kind() {
+                // A cluster electing a leader, JetStream not ready yet: wait it out.
+                Kind::TimedOut | Kind::JetStreamUnavailable => StartError::Down(what),
+                _ => StartError::Fatal(what.into()),
+            }
+        })?;
     let consumer = stream
         .get_or_create_consumer(
             &config.durable,
@@ -318,7 +333,14 @@ async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::St
             },
         )
         .await
-        .map_err(|e| format!("cannot get or create consumer {}: {e}", config.durable))?;
+        .map_err(|e| {
+            use async_nats::jetstream::stream::ConsumerErrorKind as Kind;
+            let what = format!("cannot get or create consumer {}: {e}", config.durable);
+            match e.kind() {
+                Kind::TimedOut | Kind::Request => StartError::Down(what),
+                _ => StartError::Fatal(what.into()),
+            }
+        })?;
     Ok((consumer, stream))
 }
 

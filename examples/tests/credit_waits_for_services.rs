@@ -108,3 +108,17 @@ async fn credit_waits_for_the_database_at_start() {
     works_once_back(credit, &server.url, &db).await;
     let _ = std::fs::remove_file(&log);
 }
+
+/// `NATS_URL` as a comma-separated server list (the NATS convention for a cluster) was refused
+/// at start ("invalid port number"). With a list whose first server is down, `credit` connects to
+/// the one that answers and works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repro_nats_server_list_is_refused() {
+    let (db, log) = database("list").await;
+    let server = PrivateNats::start().await.unwrap();
+    let down = TcpProxy::reserve().unwrap();
+    let list = format!("nats://127.0.0.1:{}, {}", down.port, server.url);
+    let credit = spawn_credit(&db.url, &list, &log);
+    works_once_back(credit, &server.url, &db).await;
+    let _ = std::fs::remove_file(&log);
+}
