@@ -6,9 +6,25 @@ use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{MAX_DELIVER, NatsStream, Running};
 use async_nats::jetstream::stream;
+use inbox_runtime::{Handler, Stats, Worker};
 use inbox_testkit::wait_until;
 use std::collections::BTreeSet;
 use std::time::Duration;
+
+/// Runs `worker` until it has dead-lettered one message, then stops it and returns what it did.
+async fn until_one_is_dead_lettered<H>(worker: &Worker<H>) -> Stats
+where
+    H: Handler,
+    H::Message: serde::de::DeserializeOwned,
+{
+    let run = Running::start(worker);
+    wait_until("the dead letter", Duration::from_secs(60), async || {
+        worker.stats().terminated == 1
+    })
+    .await
+    .unwrap();
+    run.stop().await
+}
 
 /// Two handlers (`ledger`, `credit`) on two consumers of one stream both reject message 1. Its
 /// letters used to share the msg-id `dlq:<stream>:1`, so JetStream dropped the second as a
@@ -71,13 +87,7 @@ async fn repro_foreign_control_headers_block_the_dead_letter<B: TestBackend>() {
         .nak_delay(Duration::from_millis(10), Duration::from_millis(10))
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
-    let run = Running::start(&worker);
-    wait_until("the dead letter", Duration::from_secs(60), async || {
-        worker.stats().terminated == 1
-    })
-    .await
-    .unwrap();
-    let stats = run.stop().await;
+    let stats = until_one_is_dead_lettered(&worker).await;
     assert_eq!(
         stats.nacked, 0,
         "the letter was refused at first: {stats:?}"
@@ -171,13 +181,7 @@ async fn repro_letter_too_large_for_the_server_is_lost<B: TestBackend>() {
         .worker(inbox, consumer)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
-    let run = Running::start(&worker);
-    wait_until("the dead letter", Duration::from_secs(60), async || {
-        worker.stats().terminated == 1
-    })
-    .await
-    .unwrap();
-    let stats = run.stop().await;
+    let stats = until_one_is_dead_lettered(&worker).await;
     assert_eq!(
         stats.nacked, 0,
         "the letter was refused at first: {stats:?}"
@@ -210,13 +214,7 @@ async fn repro_dead_letter_error_shows_row_values<B: TestBackend>() {
         .worker(inbox, consumer)
         .build(B::Payment::default())
         .unwrap();
-    let run = Running::start(&worker);
-    wait_until("the dead letter", Duration::from_secs(60), async || {
-        worker.stats().terminated == 1
-    })
-    .await
-    .unwrap();
-    run.stop().await;
+    until_one_is_dead_lettered(&worker).await;
     let letters = nats.dead_letters().await;
     assert_eq!(letters.len(), 1);
     let error = letters[0].1.get("Inbox-Error").unwrap().as_str().to_owned();
