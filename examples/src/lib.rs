@@ -131,6 +131,9 @@ pub struct Config {
     pub subject: String,
     /// `CREDIT_CONSUMER`: the durable consumer's name, default `credit`.
     pub durable: String,
+    /// `CREDIT_CONCURRENCY`: how many messages are processed at once, and the size of the
+    /// database pool, default 8 (SQLite: always 1, its one writer).
+    pub concurrency: u32,
 }
 
 impl Config {
@@ -144,6 +147,7 @@ impl Config {
             stream: var("CREDIT_STREAM", "CREDITS"),
             subject: var("CREDIT_SUBJECT", "credits.requested"),
             durable: var("CREDIT_CONSUMER", "credit"),
+            concurrency: var("CREDIT_CONCURRENCY", "8").parse().unwrap_or(8).max(1),
         }
     }
 
@@ -164,6 +168,7 @@ impl std::fmt::Debug for Config {
             .field("stream", &self.stream)
             .field("subject", &self.subject)
             .field("durable", &self.durable)
+            .field("concurrency", &self.concurrency)
             .finish()
     }
 }
@@ -202,13 +207,13 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     match scheme {
         "postgres" | "postgresql" => {
             let options = url.parse().map_err(bad_url)?;
-            let pool = server_pool::<Postgres>();
+            let pool = server_pool::<Postgres>(config.concurrency);
             on.serve(pool, options, create_accounts_postgres, credit_postgres)
                 .await
         }
         "mysql" | "mariadb" => {
             let options = url.parse().map_err(bad_url)?;
-            let pool = server_pool::<MySql>();
+            let pool = server_pool::<MySql>(config.concurrency);
             on.serve(pool, options, create_accounts_mysql, credit_mysql)
                 .await
         }
@@ -344,12 +349,13 @@ async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::St
     Ok((consumer, stream))
 }
 
-/// The pool of a database server: eight connections, and no ping before every acquire (the hot
-/// path is BEGIN, claim, handler, COMMIT, and a dead connection fails BEGIN, which is retried like
-/// any transient error).
-fn server_pool<DB: sqlx::Database>() -> PoolOptions<DB> {
+/// The pool of a database server: `size` connections (`CREDIT_CONCURRENCY`; the worker's
+/// concurrency follows the pool), and no ping before every acquire (the hot path is BEGIN,
+/// claim, handler, COMMIT, and a dead connection fails BEGIN, which is retried like any transient
+/// error).
+fn server_pool<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
     PoolOptions::new()
-        .max_connections(8)
+        .max_connections(size)
         .acquire_timeout(Duration::from_secs(5))
         .test_before_acquire(false)
 }

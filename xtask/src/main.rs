@@ -1,5 +1,6 @@
 //! Project tasks, run as `cargo xtask <task>` (matklad's xtask convention).
 
+mod bench;
 mod chaos;
 mod demo;
 mod nats_current;
@@ -12,6 +13,17 @@ const HELP: &str = "\
 usage: cargo xtask <task>
 
 tasks:
+  bench   [--db postgres|mysql|sqlite|all] [--messages N] [--concurrency C] [--rounds R]
+          [--batch B] [--latency-messages L] [--rate R] [--inbox-rows A,B,..]
+          [--only loop,handwritten,inbox,inbox-batched] [--save]
+          the framework side by side with what it replaces, in one run on this machine: a
+          plain sqlx loop (the database's limit), a hand-written async-nats + sqlx consumer,
+          `credit` per message and `credit` batched, each draining a backlog of N messages
+          (default 20,000) at concurrency C (default 8; SQLite 1) on a private nats-server,
+          alternating for R rounds (default 2); then L paced messages (default 1,000 at 400/s)
+          for publish-to-commit latency; --inbox-rows also times the claim with that many
+          markers already in the inbox. Prints a table of medians and ratios; writes
+          target/bench/results.{json,md} and chart.svg (--save: also docs/bench/)
   demo    publish a few thousand credits (many duplicated), consume them with two `credit`
           processes at once, and check that every balance is exact; SQLite under target/
           unless DATABASE_URL is set, and a private nats-server if none answers at NATS_URL
@@ -50,6 +62,8 @@ fn main() -> ExitCode {
     };
     let result = match args.first().map(String::as_str) {
         Some("demo") => runtime.block_on(demo::run()),
+        Some("bench") => bench::Options::parse(&args[1..])
+            .and_then(|options| runtime.block_on(bench::run(options))),
         Some("chaos") => chaos::Options::parse(&args[1..])
             .and_then(|options| runtime.block_on(chaos::run(options))),
         Some("test") => runtime.block_on(test(&args[1..])),
