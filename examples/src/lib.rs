@@ -6,8 +6,8 @@
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use inbox_runtime::{
-    Backoff, Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder, idempotent, is_transient,
-    sqlite_options,
+    AckMode, Backoff, Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder, idempotent,
+    is_transient, sqlite_options,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::pool::PoolOptions;
@@ -134,6 +134,8 @@ pub struct Config {
     /// `CREDIT_CONCURRENCY`: how many messages are processed at once, and the size of the
     /// database pool, default 8 (SQLite: always 1, its one writer).
     pub concurrency: u32,
+    /// `CREDIT_ACK`: `plain` or `double` (see `inbox_runtime::AckMode`), default the runtime's.
+    pub ack_mode: Option<AckMode>,
 }
 
 impl Config {
@@ -148,6 +150,11 @@ impl Config {
             subject: var("CREDIT_SUBJECT", "credits.requested"),
             durable: var("CREDIT_CONSUMER", "credit"),
             concurrency: var("CREDIT_CONCURRENCY", "8").parse().unwrap_or(8).max(1),
+            ack_mode: match var("CREDIT_ACK", "").as_str() {
+                "plain" => Some(AckMode::Plain),
+                "double" => Some(AckMode::Double),
+                _ => None,
+            },
         }
     }
 
@@ -169,6 +176,7 @@ impl std::fmt::Debug for Config {
             .field("subject", &self.subject)
             .field("durable", &self.durable)
             .field("concurrency", &self.concurrency)
+            .field("ack_mode", &self.ack_mode)
             .finish()
     }
 }
@@ -189,7 +197,7 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 /// `shutdown` is cancelled. The database is chosen by `DATABASE_URL`'s scheme. NATS or the
 /// database being down at start is waited out (capped backoff, one log line per attempt).
 pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, Error> {
-    let Some((consumer, stream)) =
+    let Some((jetstream, consumer, stream)) =
         until_up("NATS", &shutdown, || jetstream_consumer(config)).await?
     else {
         return Ok(Stats::default());
@@ -199,6 +207,8 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     let scheme = url.split_once(':').map_or("", |(s, _)| s);
     let bad_url = |e: sqlx::Error| format!("DATABASE_URL {shown}: {e}");
     let on = Serve {
+        ack_mode: config.ack_mode,
+        jetstream,
         consumer,
         stream: &stream,
         database: &shown,
@@ -285,7 +295,9 @@ where
 }
 
 /// Gets or creates the stream and the durable pull consumer.
-async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::Stream), StartError> {
+async fn jetstream_consumer(
+    config: &Config,
+) -> Result<(jetstream::Context, PullConsumer, stream::Stream), StartError> {
     use async_nats::ConnectErrorKind;
     let shown = redact::url_list(&config.nats_url);
     // NATS_URL may list several servers, comma-separated (the NATS convention for a cluster).
@@ -346,7 +358,7 @@ async fn jetstream_consumer(config: &Config) -> Result<(PullConsumer, stream::St
                 _ => StartError::Fatal(what.into()),
             }
         })?;
-    Ok((consumer, stream))
+    Ok((js, consumer, stream))
 }
 
 /// The pool of a database server: `size` connections (`CREDIT_CONCURRENCY`; the worker's
@@ -362,6 +374,8 @@ fn server_pool<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
 
 /// Where the worker runs, once NATS is up.
 struct Serve<'a> {
+    ack_mode: Option<AckMode>,
+    jetstream: jetstream::Context,
     consumer: PullConsumer,
     stream: &'a stream::Stream,
     /// `DATABASE_URL`, redacted, for messages.
@@ -394,9 +408,12 @@ impl Serve<'_> {
         create_accounts(&pool).await?;
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await?;
-        let worker = WorkerBuilder::new(inbox, self.consumer)
-            .cleanup(RETENTION, self.stream)
-            .build(handler)?;
+        let mut builder = WorkerBuilder::new(inbox, &self.jetstream, self.consumer)
+            .cleanup(RETENTION, self.stream);
+        if let Some(mode) = self.ack_mode {
+            builder = builder.ack_mode(mode);
+        }
+        let worker = builder.build(handler)?;
         let stats = worker.run_until(self.shutdown).await;
         pool.close().await;
         Ok(stats)

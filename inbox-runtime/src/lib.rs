@@ -35,7 +35,7 @@
 //! let js = async_nats::jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
 //! let consumer = js.get_stream("CREDITS").await?.get_consumer("credit").await?;
 //! let shutdown = tokio_util::sync::CancellationToken::new();
-//! WorkerBuilder::new(inbox, consumer).build(credit)?.run_until(shutdown).await;
+//! WorkerBuilder::new(inbox, &js, consumer).build(credit)?.run_until(shutdown).await;
 //! # Ok(()) }
 //! ```
 

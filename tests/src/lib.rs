@@ -76,6 +76,19 @@ pub struct NatsStream {
     url: String,
 }
 
+/// A consumer and, when it has one of its own, the connection (JetStream context) it was looked
+/// up on: see [`NatsStream::worker`].
+pub struct OnConnection(
+    pub Option<jetstream::Context>,
+    pub jetstream::consumer::PullConsumer,
+);
+
+impl From<jetstream::consumer::PullConsumer> for OnConnection {
+    fn from(consumer: jetstream::consumer::PullConsumer) -> Self {
+        OnConnection(None, consumer)
+    }
+}
+
 /// The `max_deliver` of the consumers tests create.
 pub const MAX_DELIVER: i64 = 5;
 
@@ -139,20 +152,19 @@ impl NatsStream {
     }
 
     /// The same consumer, seen through another connection: a second "instance".
-    pub async fn consumer_on_new_connection(
-        &self,
-        durable: &str,
-    ) -> jetstream::consumer::PullConsumer {
+    pub async fn consumer_on_new_connection(&self, durable: &str) -> OnConnection {
         let client = inbox_testkit::connect(&self.url)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
-        jetstream::new(client)
+        let js = jetstream::new(client);
+        let consumer = js
             .get_stream(&self.stream)
             .await
             .expect("get stream")
             .get_consumer(durable)
             .await
-            .expect("get consumer")
+            .expect("get consumer");
+        OnConnection(Some(js), consumer)
     }
 
     /// Publishes each message to the stream's subject (payloads without `Nats-Msg-Id` are not
@@ -167,13 +179,17 @@ impl NatsStream {
             .unwrap_or_else(|e| panic!("{e}"));
     }
 
-    /// A worker builder whose dead letters go to this test's own stream.
+    /// A worker builder whose dead letters go to this test's own stream, pulling on the
+    /// consumer's own connection when it comes with one ([`Self::consumer_on_new_connection`]),
+    /// else on the test's.
     pub fn worker<DB: inbox_runtime::InboxBackend>(
         &self,
         inbox: inbox_runtime::Inbox<DB>,
-        consumer: jetstream::consumer::PullConsumer,
+        consumer: impl Into<OnConnection>,
     ) -> inbox_runtime::WorkerBuilder<DB> {
-        inbox_runtime::WorkerBuilder::new(inbox, consumer)
+        let OnConnection(js, consumer) = consumer.into();
+        let js = js.as_ref().unwrap_or(&self.js);
+        inbox_runtime::WorkerBuilder::new(inbox, js, consumer)
             .dead_letters(self.dlq_stream.clone(), self.dlq_prefix.clone())
     }
 

@@ -508,6 +508,7 @@ fn spawn_contender(
         .env("CREDIT_CONCURRENCY", options.concurrency.to_string())
         .env("BENCH_CONCURRENCY", options.concurrency.to_string())
         .env("RUST_LOG", "warn")
+        .env("CREDIT_ACK", std::env::var("BENCH_ACK").unwrap_or_default())
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .kill_on_drop(true);

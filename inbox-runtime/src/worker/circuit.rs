@@ -46,6 +46,11 @@ impl Circuit {
         });
     }
 
+    /// Whether the circuit is open (the database unreachable).
+    pub(super) fn is_open(&self) -> bool {
+        *self.open.borrow()
+    }
+
     /// Waits until the circuit is closed.
     pub(super) async fn closed(&self) {
         let mut open = self.open.subscribe();

@@ -122,7 +122,6 @@ where
         shutdown: CancellationToken,
     ) {
         let _permit = permit;
-        self.jetstream.get_or_init(|| message.context.clone());
         let delivery = match message.info() {
             Ok(info) => Delivery::of(&message, &info),
             Err(e) => {
@@ -130,7 +129,8 @@ where
                 return;
             }
         };
-        let span = tracing::info_span!(
+        // At debug level: a span per message is work on the hot path no one asked for at info.
+        let span = tracing::debug_span!(
             "inbox.message",
             consumer = H::CONSUMER,
             key = field::Empty,

@@ -61,10 +61,10 @@ struct Counters {
 /// # #[derive(serde::Deserialize)] struct Credit { id: String }
 /// # #[idempotent(consumer = "credit", key = msg.id)]
 /// # async fn credit(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> { Ok(()) }
-/// # async fn demo(inbox: Inbox<Postgres>, consumer: async_nats::jetstream::consumer::PullConsumer)
+/// # async fn demo(inbox: Inbox<Postgres>, js: async_nats::jetstream::Context, consumer: async_nats::jetstream::consumer::PullConsumer)
 /// # -> Result<(), Box<dyn std::error::Error>> {
 /// let shutdown = tokio_util::sync::CancellationToken::new();
-/// let worker = WorkerBuilder::new(inbox, consumer).concurrency(8).build(credit)?;
+/// let worker = WorkerBuilder::new(inbox, &js, consumer).concurrency(8).build(credit)?;
 /// let stats = worker.run_until(shutdown).await;
 /// # Ok(()) }
 /// ```
@@ -101,15 +101,17 @@ struct Inner<H: Handler> {
     dead_letters: DeadLetters,
     stream_created: delivery::StreamCreated,
     circuit: circuit::Circuit,
-    /// JetStream, as the first message brought it (a consumer does not expose its own).
-    jetstream: std::sync::OnceLock<async_nats::jetstream::Context>,
+    /// JetStream: the pull subscription's client, the context of every message.
+    jetstream: async_nats::jetstream::Context,
     /// The consumer's stream, when cleanup was asked for.
     cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
 }
 
 impl<H: Handler> Worker<H> {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         inbox: Inbox<H::Db>,
+        jetstream: async_nats::jetstream::Context,
         consumer: PullConsumer,
         handler: H,
         state: H::State,
@@ -128,7 +130,7 @@ impl<H: Handler> Worker<H> {
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
                 stream_created: delivery::StreamCreated::default(),
                 circuit: circuit::Circuit::default(),
-                jetstream: std::sync::OnceLock::new(),
+                jetstream,
                 cleanup_stream,
             }),
         }
@@ -187,12 +189,10 @@ where
             ));
         }
         tasks.spawn(relay_parked_letters(self.inner.clone(), shutdown.clone()));
-        let client = pull::run(&self.inner, &shutdown, &tasks).await;
+        pull::run(&self.inner, &shutdown, &tasks).await;
         tasks.close();
         tasks.wait().await;
-        if let Some(client) = client
-            && let Err(e) = client.flush().await
-        {
+        if let Err(e) = self.inner.jetstream.client().flush().await {
             tracing::warn!(error = %e, "flushing acks on shutdown failed");
         }
         let stats = self.stats();
@@ -205,8 +205,7 @@ where
 const RELAY_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Publishes the dead letters parked in the database for this handler's consumer (see
-/// `dead_letter.rs`) every few seconds, once a message has brought a JetStream context, until
-/// `shutdown`.
+/// `dead_letter.rs`) every few seconds, until `shutdown`.
 async fn relay_parked_letters<H: Handler>(inner: Arc<Inner<H>>, shutdown: CancellationToken) {
     let mut ticks = tokio::time::interval(RELAY_EVERY);
     loop {
@@ -214,9 +213,7 @@ async fn relay_parked_letters<H: Handler>(inner: Arc<Inner<H>>, shutdown: Cancel
             _ = shutdown.cancelled() => break,
             _ = ticks.tick() => {}
         }
-        let Some(js) = inner.jetstream.get() else {
-            continue;
-        };
+        let js = &inner.jetstream;
         let relayed =
             dead_letter::relay_parked(&inner.inbox, &inner.dead_letters, js, H::CONSUMER).await;
         match relayed {
