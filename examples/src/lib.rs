@@ -136,6 +136,9 @@ pub struct Config {
     pub concurrency: u32,
     /// `CREDIT_ACK`: `plain` or `double` (see `inbox_runtime::AckMode`), default the runtime's.
     pub ack_mode: Option<AckMode>,
+    /// `CREDIT_BATCH`: commit up to this many messages per transaction (see
+    /// `WorkerBuilder::batch`), waiting at most 10 ms for a batch to fill; default 1, no batching.
+    pub batch: usize,
 }
 
 impl Config {
@@ -155,6 +158,7 @@ impl Config {
                 "double" => Some(AckMode::Double),
                 _ => None,
             },
+            batch: var("CREDIT_BATCH", "1").parse().unwrap_or(1).max(1),
         }
     }
 
@@ -177,6 +181,7 @@ impl std::fmt::Debug for Config {
             .field("durable", &self.durable)
             .field("concurrency", &self.concurrency)
             .field("ack_mode", &self.ack_mode)
+            .field("batch", &self.batch)
             .finish()
     }
 }
@@ -207,6 +212,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     let scheme = url.split_once(':').map_or("", |(s, _)| s);
     let bad_url = |e: sqlx::Error| format!("DATABASE_URL {shown}: {e}");
     let on = Serve {
+        batch: config.batch,
         ack_mode: config.ack_mode,
         jetstream,
         consumer,
@@ -374,6 +380,7 @@ fn server_pool<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
 
 /// Where the worker runs, once NATS is up.
 struct Serve<'a> {
+    batch: usize,
     ack_mode: Option<AckMode>,
     jetstream: jetstream::Context,
     consumer: PullConsumer,
@@ -409,7 +416,8 @@ impl Serve<'_> {
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await?;
         let mut builder = WorkerBuilder::new(inbox, &self.jetstream, self.consumer)
-            .cleanup(RETENTION, self.stream);
+            .cleanup(RETENTION, self.stream)
+            .batch(self.batch, Duration::from_millis(10));
         if let Some(mode) = self.ack_mode {
             builder = builder.ack_mode(mode);
         }

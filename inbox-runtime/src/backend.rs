@@ -154,6 +154,9 @@ pub(crate) mod sealed {
         /// The backend's name, for logs and errors.
         const NAME: &'static str;
 
+        /// The current time as this dialect writes it into `processed_at`.
+        const NOW_SQL: &'static str;
+
         /// The claim statement for `table`. Binds: consumer, key. PostgreSQL and SQLite return
         /// the new row's id, or no row for a duplicate (the default [`Backend::claim`]).
         fn claim_sql(table: &TableName) -> SqlStr;
@@ -291,6 +294,12 @@ pub(crate) mod sealed {
             id: i64,
         ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
+        /// Runs `sql`, without binds and unprepared, on `conn`.
+        fn execute_raw<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
         /// Runs `sql`, without binds, on `pool`.
         fn execute<'a>(
             pool: &'a Pool<Self>,
@@ -383,6 +392,13 @@ pub(crate) mod sealed {
             sqlx::query::<DB>(sql).bind(id).execute(pool).await
         }
 
+        async fn execute_raw(
+            conn: &mut DB::Connection,
+            sql: SqlStr,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::raw_sql(sql).execute(conn).await
+        }
+
         async fn execute(pool: &Pool<DB>, sql: SqlStr) -> Result<DB::QueryResult, sqlx::Error> {
             sqlx::query::<DB>(sql).execute(pool).await
         }
@@ -394,6 +410,18 @@ pub(crate) mod sealed {
             migrator.run(pool)
         }
     }
+}
+
+/// Sets `processed_at` on the markers `ids` of `table`: a batch's markers, in its transaction.
+/// The ids are the database's own integers, written into the statement (it runs unprepared,
+/// since its text changes with every batch).
+pub(crate) fn finish_many_sql<DB: InboxBackend>(table: &TableName, ids: &[i64]) -> SqlStr {
+    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+    sql(format!(
+        "UPDATE {table} SET processed_at = {} WHERE id IN ({})",
+        DB::NOW_SQL,
+        ids.join(", ")
+    ))
 }
 
 /// The migrator for `table`: the backend's migrations, tracked in a migrations table of our own

@@ -41,6 +41,7 @@
 
 mod backend;
 mod backoff;
+mod batch;
 mod classify;
 mod cleanup;
 mod handler;

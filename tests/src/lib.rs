@@ -14,6 +14,18 @@ pub mod handlers;
 #[cfg(test)]
 mod suite;
 
+/// The environment variable that runs every worker of the suite batched: the most messages per
+/// transaction (`cargo xtask test --batched` sets it); unset or 1, one transaction per message.
+pub const BATCH_ENV: &str = "INBOX_TEST_BATCH";
+
+/// The batch size [`BATCH_ENV`] asks for (1: no batching).
+pub fn test_batch() -> usize {
+    std::env::var(BATCH_ENV)
+        .ok()
+        .and_then(|b| b.parse().ok())
+        .unwrap_or(1)
+}
+
 /// The NATS server tests use: `INBOX_TEST_NATS_URL`, default the machine's.
 pub fn nats_url() -> String {
     std::env::var("INBOX_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
@@ -181,7 +193,8 @@ impl NatsStream {
 
     /// A worker builder whose dead letters go to this test's own stream, pulling on the
     /// consumer's own connection when it comes with one ([`Self::consumer_on_new_connection`]),
-    /// else on the test's.
+    /// else on the test's; batched when [`BATCH_ENV`] says so, so that the whole suite runs in
+    /// both modes.
     pub fn worker<DB: inbox_runtime::InboxBackend>(
         &self,
         inbox: inbox_runtime::Inbox<DB>,
@@ -191,6 +204,7 @@ impl NatsStream {
         let js = js.as_ref().unwrap_or(&self.js);
         inbox_runtime::WorkerBuilder::new(inbox, js, consumer)
             .dead_letters(self.dlq_stream.clone(), self.dlq_prefix.clone())
+            .batch(test_batch(), Duration::from_millis(20))
     }
 
     /// The dead letters stored so far: (payload, headers) in order.

@@ -37,14 +37,15 @@ tasks:
           --nats current runs its nats-servers on the current release (see test --nats)
   test    what CI runs: make sure NATS, PostgreSQL and MariaDB answer (starting them if they are
           down), check formatting and clippy, run every test in the workspace, run the behaviour
-          tests again on a current nats-server (see --nats), then a short chaos run on every
-          backend with each nats-server
-  test [--db postgres|mysql|sqlite] [--nats machine|current] [-- FILTER...]
+          tests again batched (see --batched) and on a current nats-server (see --nats), then a
+          short chaos run on every backend with each nats-server
+  test [--db postgres|mysql|sqlite] [--nats machine|current] [--batched] [-- FILTER...]
           only some tests, nothing else (no formatting, clippy or chaos): those of one backend
           (tests named `<backend>::..`), and/or those whose name contains a FILTER; with --db,
           a FILTER is the start of the test's name after the backend. --nats current runs them
           against a current nats-server (installed from PyPI into target/nats/ when missing)
-          instead of the machine's at 127.0.0.1:4222. Examples:
+          instead of the machine's at 127.0.0.1:4222. --batched runs the behaviour suite with
+          every worker batched (8 messages per transaction). Examples:
             cargo xtask test --db sqlite
             cargo xtask test -- held_race
             cargo xtask test --db postgres -- held_race_commit
@@ -89,9 +90,13 @@ async fn test(args: &[String]) -> Result<(), String> {
         Some(at) => (&args[..at], &args[at + 1..]),
         None => (args, &[][..]),
     };
-    let (mut db, mut current) = (None, false);
+    let (mut db, mut current, mut batched) = (None, false, false);
     let mut it = options.iter();
     while let Some(option) = it.next() {
+        if option == "--batched" {
+            batched = true;
+            continue;
+        }
         match (option.as_str(), it.next().map(String::as_str)) {
             ("--db", Some(word)) => {
                 db =
@@ -111,7 +116,7 @@ async fn test(args: &[String]) -> Result<(), String> {
             }
         }
     }
-    if db.is_none() && filters.is_empty() && !current {
+    if db.is_none() && filters.is_empty() && !current && !batched {
         return everything().await;
     }
     let backends = db.map_or(Backend::ALL.to_vec(), |b| vec![b]);
@@ -123,6 +128,10 @@ async fn test(args: &[String]) -> Result<(), String> {
     };
     let mut args = vec!["test", "--workspace", "--"];
     args.extend(filters.iter().map(String::as_str));
+    if batched {
+        args.splice(1..2, ["-p", "inbox-tests"]);
+        return batched_tests(&args);
+    }
     if current {
         on_current_nats(&args).await
     } else {
@@ -148,6 +157,7 @@ async fn everything() -> Result<(), String> {
         ],
     )?;
     cargo_step("tests", &["test", "--workspace"])?;
+    batched_tests(&["test", "-p", "inbox-tests"])?;
     // The same build (the same packages, so no rebuild): the behaviour tests are what talks to
     // NATS; the unit tests that run again with them are quick.
     on_current_nats(&["test", "--workspace"]).await?;
@@ -155,6 +165,17 @@ async fn everything() -> Result<(), String> {
     let mut on_current = chaos::Options::short();
     on_current.current_nats = true;
     chaos::run(on_current).await
+}
+
+/// Runs `cargo args` with every worker of the behaviour suite batched (8 messages per
+/// transaction, `INBOX_TEST_BATCH`): both modes keep the same contract.
+fn batched_tests(args: &[&str]) -> Result<(), String> {
+    let batch = std::ffi::OsString::from("8");
+    cargo_step_with(
+        "batched tests",
+        args,
+        &[("INBOX_TEST_BATCH", batch.as_os_str())],
+    )
 }
 
 /// Runs `cargo args` against a current nats-server ([`nats_current::VERSION`]): a private one

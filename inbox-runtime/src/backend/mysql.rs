@@ -16,6 +16,7 @@ use std::time::Duration;
 
 impl Backend for MySql {
     const NAME: &'static str = "MySQL";
+    const NOW_SQL: &'static str = "CURRENT_TIMESTAMP(6)";
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(

@@ -9,6 +9,8 @@ use std::time::Duration;
 
 impl Backend for Postgres {
     const NAME: &'static str = "PostgreSQL";
+    // The statement's own time, not now(): that is when the transaction began.
+    const NOW_SQL: &'static str = "clock_timestamp()";
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(

@@ -13,6 +13,7 @@ const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 
 impl Backend for Sqlite {
     const NAME: &'static str = "SQLite";
+    const NOW_SQL: &'static str = NOW;
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(

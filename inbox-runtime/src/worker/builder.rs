@@ -118,6 +118,7 @@ pub enum WorkerError {
 #[derive(Debug, Clone)]
 pub(crate) struct Options {
     pub concurrency: Option<usize>,
+    pub batch: Option<Batching>,
     pub ack_mode: AckMode,
     pub fetch_expiry: Duration,
     pub deadline: Duration,
@@ -135,6 +136,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             concurrency: None,
+            batch: None,
             ack_mode: AckMode::default(),
             fetch_expiry: Duration::from_secs(2),
             deadline: DEFAULT_DEADLINE,
@@ -160,12 +162,23 @@ pub(crate) struct Settings {
     pub fetch_expiry: Duration,
     /// The most messages one pull request asks for: the consumer's `max_batch`, if it has one.
     pub max_batch: usize,
+    /// Batched commits, when asked for.
+    pub batch: Option<Batching>,
     /// How long one try of a delivery may take.
     pub deadline: Duration,
     /// Progress acks while a handler runs longer than this (a third of `ack_wait`).
     pub progress_every: Duration,
     pub limits: Limits,
     pub cleanup: Option<Schedule>,
+}
+
+/// Batched commits: see [`WorkerBuilder::batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Batching {
+    /// The most messages in one transaction.
+    pub max_messages: usize,
+    /// How long a batch waits for more messages after its first.
+    pub max_wait: Duration,
 }
 
 /// How long one try of a delivery may take by default: see [`WorkerBuilder::deadline`].
@@ -206,6 +219,10 @@ pub(crate) fn check(
     // wait for acks: prefetching more than can be processed within ack_wait turns into
     // redelivery storms.
     let mut concurrency = options.concurrency.unwrap_or(pool_size).min(pool_size);
+    // Batched, a connection serves a batch at a time.
+    if let Some(batch) = options.batch {
+        concurrency = concurrency.saturating_mul(batch.max_messages);
+    }
     if config.max_ack_pending > 0 {
         concurrency = concurrency.min(config.max_ack_pending as usize);
     }
@@ -251,6 +268,7 @@ pub(crate) fn check(
             d if d.is_zero() => options.fetch_expiry,
             d => options.fetch_expiry.min(d),
         },
+        batch: options.batch,
         max_batch: match config.max_batch {
             n if n > 0 => n as usize,
             _ => usize::MAX,
@@ -329,6 +347,29 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// `max_ack_pending`; defaults to the pool size.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.options.concurrency = Some(n);
+        self
+    }
+
+    /// Commits up to `max_messages` messages in one transaction (one COMMIT, so one fsync, for
+    /// all), waiting at most `max_wait` after a batch's first message for more. Off by default.
+    ///
+    /// A batch is sorted by key, then each message's claim and handler run in one transaction;
+    /// two copies of a key in a batch make the second a Skip. When a message fails, the batch is
+    /// rolled back and tried again with a SAVEPOINT per message: the failing one is rolled back
+    /// to its savepoint and processed alone afterwards (its retries, nak or dead letter exactly
+    /// as without batching) while the others commit. A transient failure (deadlock,
+    /// serialization failure, lock timeout), a failed BEGIN or a COMMIT whose outcome is unknown
+    /// sends every message of the batch alone, where the marker decides again. Acks follow the
+    /// COMMIT. Concurrency then counts connections, each with a batch: messages in flight are
+    /// at most concurrency × `max_messages` (and the consumer's `max_ack_pending`). Handlers
+    /// must not commit or roll back the transaction they are given, as always.
+    ///
+    /// `max_messages` is at least 1; 1 turns batching off.
+    pub fn batch(mut self, max_messages: usize, max_wait: Duration) -> Self {
+        self.options.batch = (max_messages > 1).then_some(Batching {
+            max_messages,
+            max_wait,
+        });
         self
     }
 

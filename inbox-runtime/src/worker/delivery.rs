@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
 /// Where a delivery came from, as the dead letter and the logs name it.
-struct Delivery {
+pub(super) struct Delivery {
     /// The producer's `Nats-Msg-Id`, unless absent or empty.
     msg_id: Option<String>,
     stream: String,
@@ -34,7 +34,7 @@ struct Delivery {
 }
 
 impl Delivery {
-    fn of(message: &Message, info: &Info<'_>) -> Delivery {
+    pub(super) fn of(message: &Message, info: &Info<'_>) -> Delivery {
         Delivery {
             msg_id: message
                 .headers
@@ -161,7 +161,7 @@ where
     }
 
     /// Tells JetStream the verdict and counts it.
-    async fn answer(
+    pub(super) async fn answer(
         &self,
         message: &Message,
         verdict: Verdict,
@@ -339,6 +339,18 @@ where
         }
     }
 
+    /// Decodes and keys the message: what a batch needs of it before its transaction.
+    pub(super) async fn decode_and_key(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+    ) -> Result<(H::Message, String), ProcessError> {
+        let decoded = decode::<H>(message)?;
+        let explicit = self.handler.key(&decoded, &self.state);
+        let key = key_of(explicit, message, delivery, &self.stream_created).await?;
+        Ok((decoded, key))
+    }
+
     /// Decodes, keys and processes the message once.
     async fn process(
         &self,
@@ -418,7 +430,7 @@ pub async fn transport_id(message: &Message) -> Result<String, ProcessError> {
 }
 
 /// Decodes the payload as JSON.
-fn decode<H>(message: &Message) -> Result<H::Message, ProcessError>
+pub(super) fn decode<H>(message: &Message) -> Result<H::Message, ProcessError>
 where
     H: Handler,
     H::Message: DeserializeOwned,

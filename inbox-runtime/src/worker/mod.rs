@@ -7,6 +7,7 @@
 //! stream), `circuit` (pulling paused while the database is unreachable). This file holds the
 //! [`Worker`] handle, its counters and `run_until`.
 
+mod batched;
 mod builder;
 mod circuit;
 mod dead_letter;

@@ -13,6 +13,7 @@
 //! with their `ack_wait` running.
 
 use super::Inner;
+use super::batched::Waiting;
 use crate::backoff::Backoff;
 use crate::handler::Handler;
 use async_nats::StatusCode;
@@ -127,6 +128,8 @@ where
             free: Vec::new(),
             open: Open::default(),
             last_delivery: &mut last_delivery,
+            batch: Vec::new(),
+            batch_due: None,
         };
         match session.pull().await {
             Ok(()) => break,
@@ -150,6 +153,9 @@ struct Session<'a, H: Handler> {
     free: Vec<OwnedSemaphorePermit>,
     open: Open,
     last_delivery: &'a mut u64,
+    /// Deliveries collected for the next batch (batched mode only), and when it is due.
+    batch: Vec<Waiting>,
+    batch_due: Option<Instant>,
 }
 
 impl<H> Session<'_, H>
@@ -203,6 +209,11 @@ where
                 biased;
                 _ = self.shutdown.cancelled(), if !stopping => {
                     stopping = true;
+                    self.flush_batch();
+                    continue;
+                }
+                _ = sleep_until(self.batch_due), if self.batch_due.is_some() => {
+                    self.flush_batch();
                     continue;
                 }
                 next = subscription.next() => next,
@@ -252,6 +263,7 @@ where
             };
             self.dispatch(message, stopping).await;
         };
+        self.flush_batch();
         if let Err(e) = subscription.unsubscribe().await {
             tracing::debug!(error = %e, "unsubscribing the pull inbox failed");
         }
@@ -306,9 +318,34 @@ where
             None if !stopping => self.permits.clone().acquire_owned().await.ok(),
             None => None,
         };
+        if let Some(batching) = inner.settings.batch.filter(|_| !stopping) {
+            self.batch.push((message, permit));
+            self.batch_due
+                .get_or_insert_with(|| Instant::now() + batching.max_wait);
+            if self.batch.len() >= batching.max_messages {
+                self.flush_batch();
+            }
+            return;
+        }
         let (inner, shutdown) = (inner.clone(), self.shutdown.clone());
         self.tasks
             .spawn(async move { inner.serve(message, permit, shutdown).await });
+    }
+
+    /// Starts the batch collected so far, if any, on a task of its own.
+    fn flush_batch(&mut self) {
+        self.batch_due = None;
+        if self.batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        let (inner, shutdown, tasks) = (
+            self.inner.clone(),
+            self.shutdown.clone(),
+            self.tasks.clone(),
+        );
+        self.tasks
+            .spawn(async move { inner.serve_batch(batch, shutdown, tasks).await });
     }
 }
 

@@ -34,6 +34,8 @@ async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     let first = nats
         .worker(inbox.clone(), nats.consumer_on_new_connection("c").await)
         .concurrency(1)
+        // What is counted here is one message per permit, as without batching.
+        .batch(1, Duration::ZERO)
         .build_with_state(B::Ledger::default(), Probe::held(false))
         .unwrap();
     let run = Running::start(&first);
@@ -96,6 +98,8 @@ async fn held_with_an_open_pull<B: TestBackend>(
     let first = nats
         .worker(inbox.clone(), nats.consumer_on_new_connection("c").await)
         .concurrency(concurrency)
+        // What is counted here is one message per permit, as without batching.
+        .batch(1, Duration::ZERO)
         .fetch_expiry(fetch_expiry)
         .build_with_state(B::Ledger::default(), Probe::held(false))
         .unwrap();

@@ -1,0 +1,200 @@
+//! Batched commits: several messages in one transaction, one COMMIT (one fsync) for all.
+//!
+//! A batch is first tried lean: BEGIN, for each message (in key order) its claim and its
+//! handler, then one UPDATE setting `processed_at` on every marker it claimed, COMMIT. If any
+//! message fails there, the whole transaction is rolled back and the batch is tried again with a
+//! SAVEPOINT per message (`process_in` inside a nested transaction): a failing message is rolled
+//! back to its savepoint and left out, to be handled alone by the caller (its retries, nak or
+//! dead letter exactly as one message), while the others commit together. A failure that may
+//! have ended the whole transaction (a transient error: deadlock, serialization failure, lock
+//! timeout, busy; or a savepoint that cannot be rolled back to), a failed BEGIN or a COMMIT
+//! whose outcome is unknown leaves every message of the batch to be handled alone, where the
+//! marker decides again: nothing is acked on a guess.
+//!
+//! Two copies of one key in a batch: the second claim sees the first's marker, in the same
+//! transaction, and is a Skip.
+
+use crate::backend::sealed::Claim;
+use crate::backend::{self, InboxBackend};
+use crate::classify::{ErrorClass, classify};
+use crate::handler::{Handler, Outcome};
+use crate::store::{Inbox, ProcessError};
+use futures::FutureExt;
+use std::panic::AssertUnwindSafe;
+
+/// How one message of a batch ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Batched {
+    /// Committed with the batch: its effect ([`Outcome::Ack`]) or nothing, a duplicate
+    /// ([`Outcome::Skip`]).
+    Done(Outcome),
+    /// Not committed: to be processed alone.
+    Alone,
+}
+
+/// Why a try of the batch ended without its COMMIT.
+enum Failed {
+    /// Some message failed: try again with a savepoint per message.
+    OneMessage,
+    /// The transaction as a whole failed: every message goes alone.
+    Whole,
+}
+
+impl<DB: InboxBackend> Inbox<DB> {
+    /// Processes a batch in one transaction; `keys[i]` is the key of the message `message(i)`
+    /// decodes (again, for a second try). Keys must be in the order the claims are to take
+    /// (sorted, so that batches of several instances lock markers in one order). Returns how
+    /// each message ended, in order.
+    pub(crate) async fn process_batch<H>(
+        &self,
+        handler: &H,
+        state: &H::State,
+        keys: &[&str],
+        message: impl Fn(usize) -> Option<H::Message>,
+    ) -> Vec<Batched>
+    where
+        H: Handler<Db = DB>,
+    {
+        match self.batch_lean(handler, state, keys, &message).await {
+            Ok(done) => return done,
+            Err(Failed::Whole) => return vec![Batched::Alone; keys.len()],
+            Err(Failed::OneMessage) => {}
+        }
+        self.batch_with_savepoints(handler, state, keys, &message)
+            .await
+            .unwrap_or_else(|_| vec![Batched::Alone; keys.len()])
+    }
+
+    /// The lean try: no savepoints, one UPDATE of `processed_at` for the batch.
+    async fn batch_lean<H>(
+        &self,
+        handler: &H,
+        state: &H::State,
+        keys: &[&str],
+        message: &impl Fn(usize) -> Option<H::Message>,
+    ) -> Result<Vec<Batched>, Failed>
+    where
+        H: Handler<Db = DB>,
+    {
+        let mut tx = DB::begin(self.pool(), self.sql.begin.clone())
+            .await
+            .map_err(|_| Failed::Whole)?;
+        let mut done = Vec::with_capacity(keys.len());
+        let mut claimed = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            let claim = DB::claim(&mut tx, self.sql.claim.clone(), H::CONSUMER, key).await;
+            let id = match claim {
+                Ok(Claim::New(id)) => id,
+                Ok(Claim::Duplicate) => {
+                    done.push(Batched::Done(Outcome::Skip));
+                    continue;
+                }
+                Err(source) => {
+                    let _ = tx.rollback().await;
+                    return Err(transient_or_one::<DB>(&ProcessError::Database {
+                        stage: crate::store::Stage::Claim,
+                        source,
+                    }));
+                }
+            };
+            let Some(decoded) = message(i) else {
+                let _ = tx.rollback().await;
+                return Err(Failed::Whole);
+            };
+            let handled = AssertUnwindSafe(handler.handle(decoded, &mut tx, state))
+                .catch_unwind()
+                .await;
+            match handled {
+                Ok(Ok(())) => {
+                    claimed.push(id);
+                    done.push(Batched::Done(Outcome::Ack));
+                }
+                Ok(Err(e)) => {
+                    let _ = tx.rollback().await;
+                    return Err(transient_or_one::<DB>(&ProcessError::Handler(e.into())));
+                }
+                Err(_) => {
+                    let _ = tx.rollback().await;
+                    return Err(Failed::OneMessage);
+                }
+            }
+        }
+        if !claimed.is_empty() {
+            // Also what catches a handler that swallowed an error of an aborted transaction
+            // (PostgreSQL), or a transaction a swallowed deadlock rolled back (MySQL): the
+            // markers are not all there to be updated.
+            let finish = backend::finish_many_sql::<DB>(self.table(), &claimed);
+            match DB::execute_raw(&mut tx, finish).await {
+                Ok(r) if DB::rows_affected(&r) == claimed.len() as u64 => {}
+                _ => {
+                    let _ = tx.rollback().await;
+                    return Err(Failed::OneMessage);
+                }
+            }
+        }
+        tx.commit().await.map_err(|_| Failed::Whole)?;
+        Ok(done)
+    }
+
+    /// The careful try: a savepoint per message; a failing one is left out.
+    async fn batch_with_savepoints<H>(
+        &self,
+        handler: &H,
+        state: &H::State,
+        keys: &[&str],
+        message: &impl Fn(usize) -> Option<H::Message>,
+    ) -> Result<Vec<Batched>, Failed>
+    where
+        H: Handler<Db = DB>,
+    {
+        let mut tx = DB::begin(self.pool(), self.sql.begin.clone())
+            .await
+            .map_err(|_| Failed::Whole)?;
+        let mut done = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            let Some(decoded) = message(i) else {
+                return Err(Failed::Whole);
+            };
+            let mut savepoint = sqlx::Connection::begin(&mut *tx)
+                .await
+                .map_err(|_| Failed::Whole)?;
+            let processed =
+                AssertUnwindSafe(self.process_in(&mut savepoint, handler, state, decoded, key))
+                    .catch_unwind()
+                    .await;
+            match processed {
+                Ok(Ok(Outcome::Ack)) => {
+                    savepoint.commit().await.map_err(|_| Failed::Whole)?;
+                    done.push(Batched::Done(Outcome::Ack));
+                }
+                Ok(Ok(Outcome::Skip)) => {
+                    savepoint.rollback().await.map_err(|_| Failed::Whole)?;
+                    done.push(Batched::Done(Outcome::Skip));
+                }
+                Ok(Err(e)) => {
+                    if let Failed::Whole = transient_or_one::<DB>(&e) {
+                        return Err(Failed::Whole);
+                    }
+                    savepoint.rollback().await.map_err(|_| Failed::Whole)?;
+                    done.push(Batched::Alone);
+                }
+                Err(_) => {
+                    savepoint.rollback().await.map_err(|_| Failed::Whole)?;
+                    done.push(Batched::Alone);
+                }
+            }
+        }
+        tx.commit().await.map_err(|_| Failed::Whole)?;
+        Ok(done)
+    }
+}
+
+/// A transient failure (deadlock, serialization failure, lock timeout, busy, a lost connection)
+/// may have ended the whole transaction (InnoDB rolls it back on a deadlock): the batch goes
+/// alone. Anything else is one message's fault.
+fn transient_or_one<DB: InboxBackend>(err: &ProcessError) -> Failed {
+    match classify::<DB>(err) {
+        ErrorClass::Transient => Failed::Whole,
+        _ => Failed::OneMessage,
+    }
+}

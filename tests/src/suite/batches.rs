@@ -1,0 +1,138 @@
+//! Batched commits (`WorkerBuilder::batch`): what only a batch can get wrong. The rest of the
+//! suite runs batched too, with `cargo xtask test --batched` (see `INBOX_TEST_BATCH`).
+
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::{Entry, Probe};
+use crate::{NatsStream, OnConnection, Running};
+use inbox_testkit::wait_until;
+use std::time::Duration;
+
+/// Long enough that everything published before the worker starts lands in one batch.
+const FILL: Duration = Duration::from_millis(500);
+
+/// Two copies of a key in one batch: the second claim sees the first's marker in the same
+/// transaction and is a Skip; the effect is applied once.
+async fn duplicates_inside_one_batch_are_skipped<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let keys = ["k1", "k2", "k1", "k3", "k2", "k1"];
+    nats.publish_all(keys.iter().map(|k| Entry::new(*k, 1, 1).json()))
+        .await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .concurrency(1)
+        .batch(16, FILL)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!((stats.acked, stats.skipped), (3, 3), "{stats:?}");
+    assert_eq!(worker.state().runs(), 3, "the handler ran for a duplicate");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 3);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 3);
+}
+
+/// A message that fails inside a batch (a CHECK violation) is rolled back to its savepoint and
+/// dead-lettered alone; the others of its batch commit.
+async fn a_failure_mid_batch_is_handled_alone<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    // In key order: the overdraw is in the middle of the batch.
+    let entries = [
+        Entry::new("a", 1, 5),
+        Entry::new("b", 2, -10),
+        Entry::new("c", 3, 7),
+    ];
+    nats.publish_all(entries.iter().map(Entry::json)).await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .concurrency(1)
+        .batch(16, FILL)
+        .build(B::Credit::default())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until(
+        "the overdraw's dead letter",
+        Duration::from_secs(60),
+        || async { worker.stats().terminated == 1 },
+    )
+    .await
+    .unwrap();
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!((stats.acked, stats.terminated), (2, 1), "{stats:?}");
+    assert_eq!(
+        B::count(&db, "SELECT count(*) FROM accounts WHERE (id = 1 AND balance = 5) OR (id = 3 AND balance = 7)").await,
+        2,
+        "the good messages of the batch were not committed"
+    );
+    assert_eq!(
+        B::count(&db, "SELECT count(*) FROM accounts WHERE id = 2").await,
+        0
+    );
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 2);
+    let letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].0, entries[1].json());
+}
+
+/// The batch commits and its acks never leave (the connection closes between the COMMIT and the
+/// acks, as a crash would leave it): every redelivery finds its marker and is a Skip.
+async fn a_crash_after_commit_before_the_acks_skips_the_redeliveries<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    nats.consumer("c", Duration::from_secs(1)).await;
+    nats.publish_all((1..=3).map(|i| Entry::new(format!("k{i}"), 1, 1).json()))
+        .await;
+    let OnConnection(js, consumer) = nats.consumer_on_new_connection("c").await;
+    let client = js.as_ref().expect("a connection of its own").client();
+    let first = nats
+        .worker(inbox.clone(), OnConnection(js, consumer))
+        .concurrency(1)
+        .batch(16, FILL)
+        .build_with_state(B::Ledger::default(), Probe::held(false))
+        .unwrap();
+    let run = Running::start(&first);
+    for i in 1..=3 {
+        tokio::time::timeout(Duration::from_secs(30), first.state().entered())
+            .await
+            .unwrap_or_else(|_| panic!("message {i} of the batch was not handled within 30 s"));
+        if i == 3 {
+            // The last handler of the batch is at its gate: the COMMIT comes next, and the acks
+            // after it will find the connection closed.
+            client
+                .drain()
+                .await
+                .expect("drain the first instance's connection");
+        }
+        first.state().release();
+    }
+    wait_until("the batch to commit", Duration::from_secs(30), || async {
+        B::count(&db, "SELECT count(*) FROM inbox").await == 3
+    })
+    .await
+    .unwrap();
+    run.stop().await;
+
+    let second = nats
+        .worker(inbox, nats.consumer_on_new_connection("c").await)
+        .batch(16, FILL)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&second);
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!((stats.acked, stats.skipped), (0, 3), "{stats:?}");
+    assert_eq!(second.state().runs(), 0);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 3);
+}
+
+super::behaviours!(
+    duplicates_inside_one_batch_are_skipped,
+    a_failure_mid_batch_is_handled_alone,
+    a_crash_after_commit_before_the_acks_skips_the_redeliveries,
+);
