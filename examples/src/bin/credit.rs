@@ -1,6 +1,7 @@
 //! `credit`: credits accounts from JetStream messages, exactly once per message id.
 //!
-//! Environment: `NATS_URL`, `DATABASE_URL`, `CREDIT_STREAM`, `CREDIT_SUBJECT`, `CREDIT_CONSUMER`
+//! Environment: `NATS_URL`, `DATABASE_URL`, `CREDIT_STREAM`, `CREDIT_SUBJECT`, `CREDIT_CONSUMER`,
+//! `CREDIT_CONCURRENCY`, `CREDIT_BATCH`, `CREDIT_ACK`
 //! (see `inbox_examples::Config`). Stops cleanly on SIGINT or SIGTERM.
 //!
 //! Never prints a credential: every log line, the final error and a panic's message are scrubbed
