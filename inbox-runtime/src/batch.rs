@@ -41,21 +41,22 @@ enum Failed {
 }
 
 impl<DB: InboxBackend> Inbox<DB> {
-    /// Processes a batch in one transaction; `keys[i]` is the key of the message `message(i)`
-    /// decodes (again, for a second try). Keys must be in the order the claims are to take
-    /// (sorted, so that batches of several instances lock markers in one order). Returns how
-    /// each message ended, in order.
+    /// Processes a batch in one transaction: `decoded[i]` is the message keyed `keys[i]`, and
+    /// `message(i)` decodes it again for a second try (only after a failure). Keys must be in
+    /// the order the claims are to take (sorted, so that batches of several instances lock
+    /// markers in one order). Returns how each message ended, in order.
     pub(crate) async fn process_batch<H>(
         &self,
         handler: &H,
         state: &H::State,
         keys: &[&str],
+        decoded: Vec<H::Message>,
         message: impl Fn(usize) -> Option<H::Message>,
     ) -> Vec<Batched>
     where
         H: Handler<Db = DB>,
     {
-        match self.batch_lean(handler, state, keys, &message).await {
+        match self.batch_lean(handler, state, keys, decoded).await {
             Ok(done) => return done,
             Err(Failed::Whole) => return vec![Batched::Alone; keys.len()],
             Err(Failed::OneMessage) => {}
@@ -71,17 +72,20 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         state: &H::State,
         keys: &[&str],
-        message: &impl Fn(usize) -> Option<H::Message>,
+        decoded: Vec<H::Message>,
     ) -> Result<Vec<Batched>, Failed>
     where
         H: Handler<Db = DB>,
     {
+        if decoded.len() != keys.len() {
+            return Err(Failed::Whole);
+        }
         let mut tx = DB::begin(self.pool(), self.sql.begin.clone())
             .await
             .map_err(|_| Failed::Whole)?;
         let mut done = Vec::with_capacity(keys.len());
         let mut claimed = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
+        for (key, decoded) in keys.iter().zip(decoded) {
             let claim = DB::claim(&mut tx, self.sql.claim.clone(), H::CONSUMER, key).await;
             let id = match claim {
                 Ok(Claim::New(id)) => id,
@@ -96,10 +100,6 @@ impl<DB: InboxBackend> Inbox<DB> {
                         source,
                     }));
                 }
-            };
-            let Some(decoded) = message(i) else {
-                let _ = tx.rollback().await;
-                return Err(Failed::Whole);
             };
             let handled = AssertUnwindSafe(handler.handle(decoded, &mut tx, state))
                 .catch_unwind()

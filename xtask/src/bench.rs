@@ -192,9 +192,14 @@ pub async fn run(options: Options) -> Result<(), String> {
                     backend.name(),
                     contender.describe()
                 );
-                let run = one_run(&options, backend, contender, round, &binaries, &nats, tick)
-                    .await
-                    .map_err(|e| format!("{} {}: {e}", backend.name(), contender.name()))?;
+                let run = match contender {
+                    Contender::Loop => loop_run(&options, backend, &binaries, tick, 0, round).await,
+                    _ => {
+                        let on = (&binaries, &nats, tick);
+                        consumer_run(&options, backend, contender, round, on).await
+                    }
+                }
+                .map_err(|e| format!("{} {}: {e}", backend.name(), contender.name()))?;
                 eprintln!("bench:   {}", summary(&run));
                 runs.push(run);
             }
@@ -289,21 +294,6 @@ fn summary(run: &Run) -> String {
     )
 }
 
-async fn one_run(
-    options: &Options,
-    backend: Backend,
-    contender: Contender,
-    round: usize,
-    binaries: &Binaries,
-    nats: &PrivateNats,
-    tick: f64,
-) -> Result<Run, String> {
-    match contender {
-        Contender::Loop => loop_run(options, backend, binaries, tick, 0, round).await,
-        _ => consumer_run(options, backend, contender, round, binaries, nats, tick).await,
-    }
-}
-
 /// Contender 1, also run at several inbox sizes (`rows` markers loaded first).
 async fn loop_run(
     options: &Options,
@@ -383,9 +373,7 @@ async fn consumer_run(
     backend: Backend,
     contender: Contender,
     round: usize,
-    binaries: &Binaries,
-    nats: &PrivateNats,
-    tick: f64,
+    (binaries, nats, tick): (&Binaries, &PrivateNats, f64),
 ) -> Result<Run, String> {
     let db = Database::create(backend, "inbox_bench_").await?;
     let name = unique("BENCH_");

@@ -4,15 +4,13 @@
 //! whole failed, is served alone, exactly as without batching (retries, nak, dead letter).
 
 use super::Inner;
-use super::delivery::Delivery;
+use super::delivery::{Delivery, with_progress};
 use super::verdict::Verdict;
 use crate::batch::Batched;
 use crate::handler::{Handler, Outcome};
-use async_nats::jetstream::AckKind;
 use async_nats::jetstream::message::Message;
 use serde::de::DeserializeOwned;
 use std::sync::Arc;
-use std::time::Duration;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -44,7 +42,7 @@ where
             };
             let delivery = Delivery::of(&message, &info);
             match self.decode_and_key(&message, &delivery).await {
-                Ok((_, key)) => keyed.push((key, delivery, message, permit)),
+                Ok((decoded, key)) => keyed.push((key, decoded, (delivery, message, permit))),
                 Err(_) => alone((message, permit)),
             }
         }
@@ -54,27 +52,34 @@ where
         // One order of claims for every instance: twins' batches wait for each other's markers
         // rather than deadlock on them.
         keyed.sort_by(|a, b| a.0.cmp(&b.0));
-        let keys: Vec<&str> = keyed.iter().map(|(k, ..)| k.as_str()).collect();
-        let decode = |i: usize| super::delivery::decode::<H>(&keyed[i].2).ok();
+        let (mut keys, mut decoded, mut deliveries) = (Vec::new(), Vec::new(), Vec::new());
+        for (key, message, delivery) in keyed {
+            keys.push(key);
+            decoded.push(message);
+            deliveries.push(delivery);
+        }
+        let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        // Decoded once; again only for the second try after a failure.
+        let decode = |i: usize| super::delivery::decode::<H>(&deliveries[i].1).ok();
         let work = self
             .inbox
-            .process_batch(&self.handler, &self.state, &keys, decode);
+            .process_batch(&self.handler, &self.state, &key_refs, decoded, decode);
         let deadline = self.settings.deadline;
         let every = self.settings.progress_every;
-        let messages: Vec<&Message> = keyed.iter().map(|(_, _, m, _)| m).collect();
-        let ended = progress_all(&messages, every, tokio::time::timeout(deadline, work)).await;
+        let messages: Vec<&Message> = deliveries.iter().map(|(_, m, _)| m).collect();
+        let ended = with_progress(&messages, every, tokio::time::timeout(deadline, work)).await;
         let ended = match ended {
             Ok(ended) => ended,
             Err(_) => {
                 tracing::warn!(
                     ?deadline,
-                    messages = keyed.len(),
+                    messages = keys.len(),
                     "batch did not finish within the deadline; its messages are processed alone"
                 );
-                vec![Batched::Alone; keyed.len()]
+                vec![Batched::Alone; keys.len()]
             }
         };
-        for ((_, delivery, message, permit), ended) in keyed.into_iter().zip(ended) {
+        for ((delivery, message, permit), ended) in deliveries.into_iter().zip(ended) {
             match ended {
                 Batched::Done(outcome) => {
                     let verdict = match outcome {
@@ -85,28 +90,6 @@ where
                     drop(permit);
                 }
                 Batched::Alone => alone((message, permit)),
-            }
-        }
-    }
-}
-
-/// Runs `work`, sending a progress ack for every message of the batch every `every`.
-async fn progress_all<T>(
-    messages: &[&Message],
-    every: Duration,
-    work: impl Future<Output = T>,
-) -> T {
-    tokio::pin!(work);
-    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    loop {
-        tokio::select! {
-            result = &mut work => return result,
-            _ = ticks.tick() => {
-                for message in messages {
-                    if let Err(e) = message.ack_with(AckKind::Progress).await {
-                        tracing::debug!(error = %e, "progress ack failed");
-                    }
-                }
             }
         }
     }

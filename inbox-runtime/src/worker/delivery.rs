@@ -141,7 +141,7 @@ where
         async {
             let limits = &self.settings.limits;
             let tries = self.process_with_retries(&message, &delivery, &shutdown);
-            let verdict = match with_progress(&message, self.settings.progress_every, tries).await {
+            let verdict = match with_progress(&[&message], self.settings.progress_every, tries).await {
                 Ok(outcome) => verdict(Ok(outcome), delivery.delivered, limits),
                 Err((err, class)) => {
                     let v = verdict(Err((&err, class)), delivery.delivered, limits);
@@ -209,7 +209,7 @@ where
                 let last = delivery.delivered >= self.settings.limits.max_deliver;
                 let stored = if last {
                     let keep = self.keep_letter(message, &letter, shutdown);
-                    with_progress(message, self.settings.progress_every, keep).await
+                    with_progress(&[message], self.settings.progress_every, keep).await
                 } else {
                     self.dead_letters.publish(message, &letter).await.map_err(|e| {
                         tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
@@ -388,15 +388,22 @@ fn reached_the_database(err: &ProcessError) -> bool {
 
 /// Runs `work`, sending a progress ack every `every` while it runs: a slow but healthy handler,
 /// or a message waiting for the database, must not be redelivered to another instance.
-async fn with_progress<T>(message: &Message, every: Duration, work: impl Future<Output = T>) -> T {
+/// Every message of a batch gets one.
+pub(super) async fn with_progress<T>(
+    messages: &[&Message],
+    every: Duration,
+    work: impl Future<Output = T>,
+) -> T {
     tokio::pin!(work);
     let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
     loop {
         tokio::select! {
             result = &mut work => return result,
             _ = ticks.tick() => {
-                if let Err(e) = message.ack_with(AckKind::Progress).await {
-                    tracing::debug!(error = %e, "progress ack failed");
+                for message in messages {
+                    if let Err(e) = message.ack_with(AckKind::Progress).await {
+                        tracing::debug!(error = %e, "progress ack failed");
+                    }
                 }
             }
         }
