@@ -102,6 +102,17 @@ async fn a_crash_after_commit_before_the_acks_skips_the_redeliveries<B: TestBack
             .await
             .unwrap_or_else(|_| panic!("message {i} of the batch was not handled within 30 s"));
         if i == 3 {
+            // Every handler of the batch has run and nothing is committed: nothing may be acked.
+            client
+                .flush()
+                .await
+                .expect("flush the first instance's connection");
+            let info = nats.info("c").await;
+            assert_eq!(
+                (info.num_ack_pending, info.ack_floor.stream_sequence),
+                (3, 0),
+                "a message of the batch was acked before its COMMIT"
+            );
             // The last handler of the batch is at its gate: the COMMIT comes next, and the acks
             // after it will find the connection closed.
             client
