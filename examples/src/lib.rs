@@ -142,24 +142,42 @@ pub struct Config {
 }
 
 impl Config {
-    /// Reads the configuration from the environment, with the documented defaults.
-    pub fn from_env() -> Self {
-        let var =
-            |name: &str, default: &str| std::env::var(name).unwrap_or_else(|_| default.into());
-        Config {
+    /// Reads the configuration from the environment, with the documented defaults; a variable
+    /// that does not parse is an error that names it.
+    pub fn from_env() -> Result<Self, String> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`Config::from_env`] over `get`, which looks a variable up.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
+        let var = |name: &str, default: &str| {
+            get(name)
+                .filter(|v| !v.is_empty())
+                .unwrap_or_else(|| default.into())
+        };
+        let count = |name: &str, default: &str| {
+            let value = var(name, default);
+            value
+                .parse::<u32>()
+                .ok()
+                .filter(|n| *n >= 1)
+                .ok_or_else(|| format!("{name}={value:?} is not a whole number of at least 1"))
+        };
+        Ok(Config {
             nats_url: var("NATS_URL", "nats://127.0.0.1:4222"),
             database_url: var("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
             stream: var("CREDIT_STREAM", "CREDITS"),
             subject: var("CREDIT_SUBJECT", "credits.requested"),
             durable: var("CREDIT_CONSUMER", "credit"),
-            concurrency: var("CREDIT_CONCURRENCY", "8").parse().unwrap_or(8).max(1),
+            concurrency: count("CREDIT_CONCURRENCY", "8")?,
             ack_mode: match var("CREDIT_ACK", "").as_str() {
+                "" => None,
                 "plain" => Some(AckMode::Plain),
                 "double" => Some(AckMode::Double),
-                _ => None,
+                other => return Err(format!("CREDIT_ACK={other:?}: use plain or double")),
             },
-            batch: var("CREDIT_BATCH", "1").parse().unwrap_or(1).max(1),
-        }
+            batch: count("CREDIT_BATCH", "1")? as usize,
+        })
     }
 
     /// The credentials of both URLs, to scrub from whatever is printed.
@@ -814,6 +832,37 @@ pub mod redact {
         #[test]
         fn percent_escapes_are_decoded() {
             assert_eq!(percent_decoded("p%40ss%2"), "p@ss%2");
+        }
+    }
+}
+
+#[cfg(test)]
+mod config_tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn config(vars: &[(&str, &str)]) -> Result<Config, String> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        Config::from_vars(|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn defaults_and_bad_values_named() {
+        let c = config(&[]).unwrap();
+        assert_eq!((c.concurrency, c.batch, c.ack_mode), (8, 1, None));
+        let c = config(&[("CREDIT_BATCH", "64"), ("CREDIT_ACK", "double")]).unwrap();
+        assert_eq!((c.batch, c.ack_mode), (64, Some(AckMode::Double)));
+        for (name, value) in [
+            ("CREDIT_CONCURRENCY", "eight"),
+            ("CREDIT_CONCURRENCY", "0"),
+            ("CREDIT_BATCH", "-1"),
+            ("CREDIT_ACK", "twice"),
+        ] {
+            let e = config(&[(name, value)]).unwrap_err();
+            assert!(e.contains(name) && e.contains(value), "{e}");
         }
     }
 }

@@ -15,7 +15,13 @@ use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    let config = Config::from_env();
+    let config = match Config::from_env() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("credit: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
     let secrets = config.secrets();
     tracing_subscriber::fmt()
         .with_env_filter(
