@@ -223,6 +223,27 @@ pub(crate) mod sealed {
             async move { Ok(row.await?.map_or(Claim::Duplicate, Claim::New)) }
         }
 
+        /// Claims every key of a batch (in the order given) in `tx`: per key, what
+        /// [`Backend::claim`] would answer, a later copy of a key the batch claimed being a
+        /// duplicate. By default a claim statement per key; a dialect that can tell new rows from
+        /// duplicates in one statement overrides it.
+        fn claim_many<'a, 'c>(
+            tx: &'a mut Transaction<'c, Self>,
+            table: &'a TableName,
+            claim: SqlStr,
+            consumer: &'a str,
+            keys: &'a [&'a str],
+        ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send + 'a {
+            let _ = table;
+            async move {
+                let mut claims = Vec::with_capacity(keys.len());
+                for key in keys {
+                    claims.push(Self::claim(tx, claim.clone(), consumer, key).await?);
+                }
+                Ok(claims)
+            }
+        }
+
         /// Takes the fleet-wide cleanup lock `name` on `conn` without waiting; `false` when
         /// another instance holds it. The default suits a database with a single writer, whose
         /// cleanups serialise on its write lock anyway.
@@ -412,6 +433,18 @@ pub(crate) mod sealed {
     }
 }
 
+/// The claims of `keys`, in order, from the (key, id) rows one statement inserted: a key's first
+/// copy with a row is new, every other copy a duplicate.
+pub(crate) fn claims_of(keys: &[&str], rows: Vec<(String, i64)>) -> Vec<sealed::Claim> {
+    let mut new: std::collections::HashMap<String, i64> = rows.into_iter().collect();
+    keys.iter()
+        .map(|key| match new.remove(*key) {
+            Some(id) => sealed::Claim::New(id),
+            None => sealed::Claim::Duplicate,
+        })
+        .collect()
+}
+
 /// Sets `processed_at` on the markers `ids` of `table`: a batch's markers, in its transaction.
 /// The ids are the database's own integers, written into the statement (it runs unprepared,
 /// since its text changes with every batch).
@@ -471,5 +504,27 @@ pub fn is_transient<DB: InboxBackend>(err: &sqlx::Error) -> bool {
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::WorkerCrashed => true,
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod claims_tests {
+    use super::claims_of;
+    use super::sealed::Claim;
+
+    #[test]
+    fn the_first_copy_with_a_row_is_new_and_every_other_a_duplicate() {
+        let keys = ["a", "a", "b", "c", "c"];
+        let rows = vec![("a".to_owned(), 7), ("c".to_owned(), 9)];
+        assert_eq!(
+            claims_of(&keys, rows),
+            [
+                Claim::New(7),
+                Claim::Duplicate,
+                Claim::Duplicate,
+                Claim::New(9),
+                Claim::Duplicate
+            ]
+        );
     }
 }

@@ -1,7 +1,9 @@
 //! Batched commits: several messages in one transaction, one COMMIT (one fsync) for all.
 //!
-//! A batch is first tried lean: BEGIN, for each message (in key order) its claim and its
-//! handler, then one UPDATE setting `processed_at` on every marker it claimed, COMMIT. If any
+//! A batch is first tried lean: BEGIN, the claims of all its keys (in key order; one statement
+//! on PostgreSQL and SQLite, which tell new rows from duplicates by what `RETURNING` returns, a
+//! statement per key on MySQL), each new message's handler, then one UPDATE setting
+//! `processed_at` on every marker it claimed, COMMIT. If any
 //! message fails there, the whole transaction is rolled back and the batch is tried again with a
 //! SAVEPOINT per message (`process_in` inside a nested transaction): a failing message is rolled
 //! back to its savepoint and left out, to be handled alone by the caller (its retries, nak or
@@ -34,8 +36,9 @@ pub(crate) enum Batched {
 
 /// Why a try of the batch ended without its COMMIT.
 enum Failed {
-    /// Some message failed: try again with a savepoint per message.
-    OneMessage,
+    /// Some message failed (the one at this index, when known): try again with a savepoint per
+    /// message, leaving that one out without running it again.
+    OneMessage(Option<usize>),
     /// The transaction as a whole failed: every message goes alone.
     Whole,
 }
@@ -56,12 +59,12 @@ impl<DB: InboxBackend> Inbox<DB> {
     where
         H: Handler<Db = DB>,
     {
-        match self.batch_lean(handler, state, keys, decoded).await {
+        let culprit = match self.batch_lean(handler, state, keys, decoded).await {
             Ok(done) => return done,
             Err(Failed::Whole) => return vec![Batched::Alone; keys.len()],
-            Err(Failed::OneMessage) => {}
-        }
-        self.batch_with_savepoints(handler, state, keys, &message)
+            Err(Failed::OneMessage(culprit)) => culprit,
+        };
+        self.batch_with_savepoints(handler, state, keys, culprit, &message)
             .await
             .unwrap_or_else(|_| vec![Batched::Alone; keys.len()])
     }
@@ -85,21 +88,35 @@ impl<DB: InboxBackend> Inbox<DB> {
             .map_err(|_| Failed::Whole)?;
         let mut done = Vec::with_capacity(keys.len());
         let mut claimed = Vec::with_capacity(keys.len());
-        for (key, decoded) in keys.iter().zip(decoded) {
-            let claim = DB::claim(&mut tx, self.sql.claim.clone(), H::CONSUMER, key).await;
-            let id = match claim {
-                Ok(Claim::New(id)) => id,
-                Ok(Claim::Duplicate) => {
-                    done.push(Batched::Done(Outcome::Skip));
-                    continue;
-                }
-                Err(source) => {
-                    let _ = tx.rollback().await;
-                    return Err(transient_or_one::<DB>(&ProcessError::Database {
+        let claims = DB::claim_many(
+            &mut tx,
+            self.table(),
+            self.sql.claim.clone(),
+            H::CONSUMER,
+            keys,
+        )
+        .await;
+        let claims = match claims {
+            Ok(claims) if claims.len() == keys.len() => claims,
+            Ok(_) => {
+                let _ = tx.rollback().await;
+                return Err(Failed::Whole);
+            }
+            Err(source) => {
+                let _ = tx.rollback().await;
+                return Err(transient_or_one::<DB>(
+                    &ProcessError::Database {
                         stage: crate::store::Stage::Claim,
                         source,
-                    }));
-                }
+                    },
+                    None,
+                ));
+            }
+        };
+        for (i, (claim, decoded)) in claims.into_iter().zip(decoded).enumerate() {
+            let Claim::New(id) = claim else {
+                done.push(Batched::Done(Outcome::Skip));
+                continue;
             };
             let handled = AssertUnwindSafe(handler.handle(decoded, &mut tx, state))
                 .catch_unwind()
@@ -111,11 +128,14 @@ impl<DB: InboxBackend> Inbox<DB> {
                 }
                 Ok(Err(e)) => {
                     let _ = tx.rollback().await;
-                    return Err(transient_or_one::<DB>(&ProcessError::Handler(e.into())));
+                    return Err(transient_or_one::<DB>(
+                        &ProcessError::Handler(e.into()),
+                        Some(i),
+                    ));
                 }
                 Err(_) => {
                     let _ = tx.rollback().await;
-                    return Err(Failed::OneMessage);
+                    return Err(Failed::OneMessage(Some(i)));
                 }
             }
         }
@@ -128,7 +148,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 Ok(r) if DB::rows_affected(&r) == claimed.len() as u64 => {}
                 _ => {
                     let _ = tx.rollback().await;
-                    return Err(Failed::OneMessage);
+                    return Err(Failed::OneMessage(None));
                 }
             }
         }
@@ -136,12 +156,14 @@ impl<DB: InboxBackend> Inbox<DB> {
         Ok(done)
     }
 
-    /// The careful try: a savepoint per message; a failing one is left out.
+    /// The careful try: a savepoint per message; a failing one is left out, and so is `culprit`
+    /// (the one that failed the lean try) without running again.
     async fn batch_with_savepoints<H>(
         &self,
         handler: &H,
         state: &H::State,
         keys: &[&str],
+        culprit: Option<usize>,
         message: &impl Fn(usize) -> Option<H::Message>,
     ) -> Result<Vec<Batched>, Failed>
     where
@@ -152,6 +174,10 @@ impl<DB: InboxBackend> Inbox<DB> {
             .map_err(|_| Failed::Whole)?;
         let mut done = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
+            if culprit == Some(i) {
+                done.push(Batched::Alone);
+                continue;
+            }
             let Some(decoded) = message(i) else {
                 return Err(Failed::Whole);
             };
@@ -172,7 +198,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                     done.push(Batched::Done(Outcome::Skip));
                 }
                 Ok(Err(e)) => {
-                    if let Failed::Whole = transient_or_one::<DB>(&e) {
+                    if let Failed::Whole = transient_or_one::<DB>(&e, None) {
                         return Err(Failed::Whole);
                     }
                     savepoint.rollback().await.map_err(|_| Failed::Whole)?;
@@ -192,9 +218,9 @@ impl<DB: InboxBackend> Inbox<DB> {
 /// A transient failure (deadlock, serialization failure, lock timeout, busy, a lost connection)
 /// may have ended the whole transaction (InnoDB rolls it back on a deadlock): the batch goes
 /// alone. Anything else is one message's fault.
-fn transient_or_one<DB: InboxBackend>(err: &ProcessError) -> Failed {
+fn transient_or_one<DB: InboxBackend>(err: &ProcessError, at: Option<usize>) -> Failed {
     match classify::<DB>(err) {
         ErrorClass::Transient => Failed::Whole,
-        _ => Failed::OneMessage,
+        _ => Failed::OneMessage(at),
     }
 }

@@ -36,6 +36,9 @@ async fn naks_follow_the_consumer_backoff() {
         .await;
     let worker = nats
         .worker(inbox, consumer)
+        // Handler runs stand for deliveries here; batched, a failing message also runs in its
+        // batch's lean try before it is handled alone (same nak, same backoff).
+        .batch(1, Duration::ZERO)
         .build_with_state(
             <Postgres as TestBackend>::Ledger::default(),
             Probe::failing(usize::MAX, Failure::Plain),

@@ -3,8 +3,8 @@
 //! never an error. Transactions are READ COMMITTED (the default) with a `lock_timeout`.
 
 use super::TableName;
-use super::sealed::Backend;
-use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr, SqlStr};
+use super::sealed::{Backend, Claim};
+use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr, SqlStr, Transaction};
 use std::time::Duration;
 
 impl Backend for Postgres {
@@ -113,6 +113,28 @@ impl Backend for Postgres {
              AND received_at < now() - make_interval(secs => $2) ORDER BY id LIMIT $3)"
         ))
         .into_sql_str()
+    }
+
+    async fn claim_many<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        table: &'a TableName,
+        _claim: SqlStr,
+        consumer: &'a str,
+        keys: &'a [&'a str],
+    ) -> Result<Vec<Claim>, sqlx::Error> {
+        // One statement for the batch, inserting in the order given (sorted: twins' batches
+        // take the markers' locks in one order).
+        let sql = AssertSqlSafe(format!(
+            "INSERT INTO {table} (consumer, message_key) \
+             SELECT $1, k FROM unnest($2::varchar[]) WITH ORDINALITY AS t(k, n) ORDER BY n \
+             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING message_key, id"
+        ));
+        let rows: Vec<(String, i64)> = sqlx::query_as(sql)
+            .bind(consumer)
+            .bind(keys)
+            .fetch_all(&mut **tx)
+            .await?;
+        Ok(super::claims_of(keys, rows))
     }
 
     async fn try_cleanup_lock<'a>(

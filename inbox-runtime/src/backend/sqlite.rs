@@ -4,8 +4,8 @@
 //! RETURNING id` (the default claim). Use WAL and a busy timeout (see [`sqlite_options`](crate::sqlite_options)).
 
 use super::TableName;
-use super::sealed::Backend;
-use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr, Sqlite};
+use super::sealed::{Backend, Claim};
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr, Sqlite, Transaction};
 use std::time::Duration;
 
 /// A timestamp with milliseconds, as ISO 8601 text that sorts as time does.
@@ -14,6 +14,34 @@ const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 impl Backend for Sqlite {
     const NAME: &'static str = "SQLite";
     const NOW_SQL: &'static str = NOW;
+
+    async fn claim_many<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        table: &'a TableName,
+        _claim: SqlStr,
+        consumer: &'a str,
+        keys: &'a [&'a str],
+    ) -> Result<Vec<Claim>, sqlx::Error> {
+        // One statement per 400 keys (well within SQLite's bind limit), rows in the order given.
+        let mut claims = Vec::with_capacity(keys.len());
+        for chunk in keys.chunks(400) {
+            let rows: Vec<String> = (0..chunk.len())
+                .map(|i| format!("(?1, ?{})", i + 2))
+                .collect();
+            let sql = AssertSqlSafe(format!(
+                "INSERT INTO {table} (consumer, message_key) VALUES {} \
+                 ON CONFLICT (consumer, message_key) DO NOTHING RETURNING message_key, id",
+                rows.join(", ")
+            ));
+            let mut query = sqlx::query_as::<_, (String, i64)>(sql).bind(consumer);
+            for key in chunk {
+                query = query.bind(*key);
+            }
+            let inserted = query.fetch_all(&mut **tx).await?;
+            claims.extend(super::claims_of(chunk, inserted));
+        }
+        Ok(claims)
+    }
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
