@@ -178,6 +178,9 @@ where
         // cost the server (and us) a request each; waiting for all would leave slots idle.
         let refill_at = concurrency.div_ceil(2);
         let mut stopping = false;
+        // Idle heartbeats while a request is open (the server allows at most half the expiry).
+        let heartbeat = (settings.fetch_expiry / 2).min(Duration::from_secs(5));
+        let mut heard = Instant::now();
         let result = loop {
             if !stopping && !inner.circuit.is_open() {
                 self.take_free_permits();
@@ -187,8 +190,12 @@ where
                     let request = BatchConfig {
                         batch,
                         expires: Some(settings.fetch_expiry),
+                        idle_heartbeat: heartbeat,
                         ..Default::default()
                     };
+                    if self.open.outstanding == 0 {
+                        heard = Instant::now();
+                    }
                     let expires = Instant::now() + settings.fetch_expiry;
                     if let Err(e) = inner
                         .consumer
@@ -205,6 +212,9 @@ where
             }
             let wants_permit = !stopping && self.free.len() < concurrency;
             let lost_at = self.open.next_lost();
+            // A server that sends neither messages nor heartbeats for two heartbeats while
+            // requests are open has lost them (restarted, or the connection was replaced).
+            let silent_at = (self.open.outstanding > 0).then(|| heard + heartbeat * 2);
             let next = tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled(), if !stopping => {
@@ -222,6 +232,11 @@ where
                     continue;
                 }
                 _ = inner.circuit.closed(), if inner.circuit.is_open() && !stopping => continue,
+                _ = sleep_until(silent_at), if silent_at.is_some() => {
+                    tracing::debug!(?heartbeat, "no heartbeat from open pull requests; asking again");
+                    self.open.clear();
+                    continue;
+                }
                 _ = sleep_until(lost_at), if lost_at.is_some() => {
                     if self.open.forget_lost(Instant::now()) {
                         tracing::debug!("a pull request expired without an answer; asking again");
@@ -232,6 +247,7 @@ where
             let Some(message) = next else {
                 break Err("the pull subscription ended".into());
             };
+            heard = Instant::now();
             match message.status {
                 None | Some(StatusCode::OK) => {}
                 Some(StatusCode::IDLE_HEARTBEAT) => continue,
