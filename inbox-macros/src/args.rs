@@ -6,17 +6,21 @@ use syn::{Expr, LitStr, Token};
 mod kw {
     syn::custom_keyword!(consumer);
     syn::custom_keyword!(key);
+    syn::custom_keyword!(claim);
 }
 
 /// The longest consumer name the inbox table's `consumer` column holds.
 pub const MAX_CONSUMER_LEN: usize = 200;
 
-const VALID: &str = "valid arguments are `consumer = \"...\"` and `key = <expression>`";
+const VALID: &str =
+    "valid arguments are `consumer = \"...\"`, `key = <expression>` and `claim` (two-phase)";
 
 /// The arguments as written, each at most once.
 pub struct Args {
     pub consumer: Option<LitStr>,
     pub key: Option<Expr>,
+    /// `claim`: a two-phase handler, for side effects outside the database.
+    pub claim: Option<proc_macro2::Span>,
 }
 
 impl Parse for Args {
@@ -24,6 +28,7 @@ impl Parse for Args {
         let mut args = Args {
             consumer: None,
             key: None,
+            claim: None,
         };
         let mut errors: Option<syn::Error> = None;
         let mut push = |e: syn::Error| match &mut errors {
@@ -49,6 +54,21 @@ impl Parse for Args {
                     push(syn::Error::new(name.span, "`key` set multiple times"));
                 } else {
                     args.key = Some(value);
+                }
+            } else if lookahead.peek(kw::claim) {
+                let name = input.parse::<kw::claim>()?;
+                if input.peek(Token![=]) || input.peek(syn::token::Paren) {
+                    push(syn::Error::new(
+                        name.span,
+                        "`claim` takes no value: write `claim` alone (the lease is `Inbox::lease`)",
+                    ));
+                    while !input.is_empty() && !input.peek(Token![,]) {
+                        input.parse::<proc_macro2::TokenTree>()?;
+                    }
+                } else if args.claim.is_some() {
+                    push(syn::Error::new(name.span, "`claim` set multiple times"));
+                } else {
+                    args.claim = Some(name.span);
                 }
             } else if input.peek(syn::Ident) {
                 let ident: syn::Ident = input.parse()?;

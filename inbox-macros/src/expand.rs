@@ -81,7 +81,45 @@ pub fn expand(h: &Handler) -> TokenStream {
         let __inbox_fut = #name(#(#call_args),*);
         async move { ::core::result::Result::map(__inbox_fut.await, |_| ()) }
     };
-    let handler = handler_impl(name, &types, key_body, handle_body);
+    let handler = if h.claim {
+        // Two-phase: the runtime calls `handle_claimed` alone (`TWO_PHASE`), with the claim in the
+        // place of the transaction; `handle` is never called.
+        call_args[h.tx.index] = quote!(__inbox_claim);
+        let claimed_body = quote! {
+            #returns_unit
+            #func
+            let __inbox_fut = #name(#(#call_args),*);
+            async move {
+                ::core::result::Result::map_err(
+                    ::core::result::Result::map(__inbox_fut.await, |_| ()),
+                    ::core::convert::Into::<#rt::BoxError>::into,
+                )
+            }
+        };
+        let never = quote! {
+            let _ = (__inbox_msg, __inbox_tx, __inbox_state);
+            async move {
+                ::core::unreachable!("a two-phase handler runs through Handler::handle_claimed")
+            }
+        };
+        let extra = quote! {
+            const TWO_PHASE: bool = true;
+
+            fn handle_claimed<'__a>(
+                &'__a self,
+                __inbox_msg: Self::Message,
+                __inbox_claim: &'__a mut #rt::Claim<Self::Db>,
+                __inbox_state: &'__a Self::State,
+            ) -> impl ::core::future::Future<
+                Output = ::core::result::Result<(), #rt::BoxError>,
+            > + ::core::marker::Send + '__a {
+                #claimed_body
+            }
+        };
+        handler_impl(name, &types, key_body, never, extra)
+    } else {
+        handler_impl(name, &types, key_body, handle_body, TokenStream::new())
+    };
     quote! {
         #unit
         #handler
@@ -113,6 +151,7 @@ pub fn handler_impl(
     types: &ImplTypes,
     key_body: TokenStream,
     handle_body: TokenStream,
+    extra: TokenStream,
 ) -> TokenStream {
     let rt = quote!(::inbox_runtime::__private);
     let ImplTypes {
@@ -151,6 +190,8 @@ pub fn handler_impl(
             > + ::core::marker::Send + '__a {
                 #handle_body
             }
+
+            #extra
         }
     }
 }
@@ -201,6 +242,7 @@ pub fn explicit_mut_ref_lifetimes(func: &mut ItemFn) {
         if let FnArg::Typed(arg) = input
             && let Type::Reference(r) = &mut *arg.ty
             && r.mutability.is_some()
+            && !crate::validate::is_claim(&r.elem)
             && let Type::Path(p) = &mut *r.elem
             && let Some(last) = p.path.segments.last_mut()
             && let PathArguments::AngleBracketed(args) = &mut last.arguments

@@ -79,5 +79,5 @@ fn stub_impl(name: &syn::Ident, invalid: &Invalid, types: &Types) -> TokenStream
         #returns_unit
         async { ::core::unreachable!() }
     };
-    handler_impl(name, &types, key_body, handle_body)
+    handler_impl(name, &types, key_body, handle_body, TokenStream::new())
 }

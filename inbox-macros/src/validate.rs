@@ -27,6 +27,8 @@ pub struct Handler {
     pub state: Option<Param>,
     pub ret: Type,
     pub arity: usize,
+    /// Two-phase (`claim`): `tx` is then the `&mut Claim<DB>` argument.
+    pub claim: bool,
 }
 
 /// A handler with mistakes: every error found, and what is known regardless, so that the fallback
@@ -81,11 +83,15 @@ const TX_HINT: &str = "add a transaction argument such as `tx: &mut Tx<Postgres>
 pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<Invalid>> {
     let mut errors = Errors::default();
     let sig = &func.sig;
-    let (consumer, key) = match args {
-        Ok(args) => (check_consumer(args.consumer, &mut errors), args.key),
+    let (consumer, key, claim) = match args {
+        Ok(args) => (
+            check_consumer(args.consumer, &mut errors),
+            args.key,
+            args.claim,
+        ),
         Err(e) => {
             errors.add(e);
-            (None, None)
+            (None, None, None)
         }
     };
 
@@ -115,6 +121,18 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
         };
         match &*arg.ty {
             Type::Reference(r) if r.mutability.is_some() => {
+                let takes_claim = is_claim(&r.elem);
+                if takes_claim && claim.is_none() {
+                    errors.push(
+                        arg.span(),
+                        "a handler taking `&mut Claim<DB>` is two-phase: add `claim` to the attribute, as in `#[idempotent(consumer = \"email\", key = msg.id, claim)]`",
+                    );
+                } else if !takes_claim && claim.is_some() {
+                    errors.push(
+                        arg.span(),
+                        "a `claim` handler takes `claim: &mut Claim<DB>` instead of a transaction: its side effect runs outside one, and `claim.tx().await?` gives the transaction that commits with \"done\"",
+                    );
+                }
                 if tx.is_some() {
                     errors.push(
                         arg.span(),
@@ -173,10 +191,14 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
         );
     }
     if tx.is_none() {
-        errors.push(
-            sig.paren_token.span.join(),
-            format!("missing transaction argument: {TX_HINT}"),
-        );
+        let hint = match claim {
+            Some(_) => {
+                "missing claim argument: add `claim: &mut Claim<Postgres>` (or your database)"
+                    .to_owned()
+            }
+            None => format!("missing transaction argument: {TX_HINT}"),
+        };
+        errors.push(sig.paren_token.span.join(), hint);
     }
 
     let ret = match &sig.output {
@@ -230,6 +252,7 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
         state,
         ret: ret.expect("checked above"),
         func,
+        claim: claim.is_some(),
     })
 }
 
@@ -270,6 +293,11 @@ fn check_consumer(consumer: Option<LitStr>, errors: &mut Errors) -> Option<LitSt
             Some(lit)
         }
     }
+}
+
+/// Whether `ty` is a path ending in `Claim`: `Claim<Postgres>`, `inbox_runtime::Claim<DB>`.
+pub fn is_claim(ty: &Type) -> bool {
+    matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Claim"))
 }
 
 /// The last type argument of the last path segment: `Postgres` in `Tx<Postgres>`,

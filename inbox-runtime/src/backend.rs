@@ -103,6 +103,99 @@ pub(crate) struct Statements {
     pub parked: SqlStr,
     /// Binds id: forgets a parked letter once the dead-letter stream has it.
     pub unpark: SqlStr,
+    /// The statements of two-phase claims: see `claim.rs`.
+    pub claims: ClaimStatements,
+}
+
+/// The statements of two-phase claims (`claim.rs`). A claim is open while `processed_at` is NULL
+/// and `lease_until` is set; its owner holds it while `lease_until` is in the future and `fence`
+/// is the one it took it with.
+#[derive(Debug, Clone)]
+pub(crate) struct ClaimStatements {
+    /// Binds consumer, key: (id, done 0/1, ms until lease_until or -1, fence, attempts) of the
+    /// marker, locked for update.
+    pub state: SqlStr,
+    /// Binds lease seconds, id, fence: takes the claim over (fence + 1, attempts + 1, a new lease).
+    pub take: SqlStr,
+    /// Binds lease seconds, id, fence: extends the lease of the claim still held with `fence`.
+    pub renew: SqlStr,
+    /// Binds id, fence: marks the claim done, if `fence` still holds it.
+    pub complete: SqlStr,
+    /// Binds id, fence: ends the lease now, if `fence` still holds it.
+    pub release: SqlStr,
+    /// Binds consumer, -age ms: (key, fence, attempts, age ms, ms until lease_until) of open
+    /// claims received at least that long ago, oldest first.
+    pub open: SqlStr,
+    /// Binds consumer, key: ends the lease of an open claim now.
+    pub release_key: SqlStr,
+    /// Binds consumer, key: deletes an open claim.
+    pub forget_key: SqlStr,
+}
+
+impl ClaimStatements {
+    fn new<DB: InboxBackend>(table: &TableName) -> Self {
+        let p = DB::param;
+        let int = |expr: &str| format!("CAST({expr} AS {})", DB::INT64);
+        let until = |col: &str| format!("COALESCE({}, -1)", DB::ms_until_sql(col));
+        let open = "processed_at IS NULL AND lease_until IS NOT NULL";
+        ClaimStatements {
+            state: sql(format!(
+                "SELECT id, {}, {}, fence, {} FROM {table} WHERE consumer = {} AND message_key = {}{}",
+                int("CASE WHEN processed_at IS NULL THEN 0 ELSE 1 END"),
+                until("lease_until"),
+                int("attempts"),
+                p(1),
+                p(2),
+                DB::FOR_UPDATE
+            )),
+            take: sql(format!(
+                "UPDATE {table} SET fence = fence + 1, attempts = attempts + 1, lease_until = {}                  WHERE id = {} AND fence = {} AND processed_at IS NULL",
+                DB::secs_from_now_sql(&p(1)),
+                p(2),
+                p(3)
+            )),
+            renew: sql(format!(
+                "UPDATE {table} SET lease_until = {} WHERE id = {} AND fence = {} AND {open}",
+                DB::secs_from_now_sql(&p(1)),
+                p(2),
+                p(3)
+            )),
+            complete: sql(format!(
+                "UPDATE {table} SET processed_at = {}, lease_until = NULL                  WHERE id = {} AND fence = {} AND {open}",
+                DB::NOW_SQL,
+                p(1),
+                p(2)
+            )),
+            release: sql(format!(
+                "UPDATE {table} SET lease_until = {} WHERE id = {} AND fence = {} AND {open}",
+                DB::NOW_SQL,
+                p(1),
+                p(2)
+            )),
+            open: sql(format!(
+                "SELECT {}, fence, {}, -{}, {} FROM {table} \
+                 WHERE consumer = {} AND {open} AND {} <= {} ORDER BY id LIMIT 1000",
+                DB::KEY_TEXT,
+                int("attempts"),
+                DB::ms_until_sql("received_at"),
+                until("lease_until"),
+                p(1),
+                DB::ms_until_sql("received_at"),
+                p(2)
+            )),
+            release_key: sql(format!(
+                "UPDATE {table} SET lease_until = {} WHERE consumer = {} AND message_key = {} AND {open}",
+                DB::NOW_SQL,
+                p(1),
+                p(2)
+            )),
+            forget_key: sql(format!(
+                "DELETE FROM {table} WHERE consumer = {} AND message_key = {} AND {open}",
+                p(1),
+                p(2)
+            )),
+        }
+    }
 }
 
 impl Statements {
@@ -128,6 +221,7 @@ impl Statements {
             finish: DB::finish_sql(table),
             cleanup: DB::cleanup_sql(table),
             done: DB::done_sql(table),
+            claims: ClaimStatements::new::<DB>(table),
         }
     }
 }
@@ -156,6 +250,23 @@ pub(crate) mod sealed {
 
         /// The current time as this dialect writes it into `processed_at`.
         const NOW_SQL: &'static str;
+
+        /// The type an integer expression is CAST to so that it decodes as `i64`.
+        const INT64: &'static str;
+
+        /// What locks the rows a SELECT reads until the transaction ends (empty where the
+        /// transaction holds the database's write lock already).
+        const FOR_UPDATE: &'static str = " FOR UPDATE";
+
+        /// The time `param` seconds (a float) from now, as the dialect stores timestamps.
+        fn secs_from_now_sql(param: &str) -> String;
+
+        /// The whole milliseconds from now until `column` (negative once it is past; NULL when
+        /// it is NULL), as an integer expression.
+        fn ms_until_sql(column: &str) -> String;
+
+        /// `message_key` as text (MySQL stores it as bytes, compared exactly).
+        const KEY_TEXT: &'static str = "message_key";
 
         /// The claim statement for `table`. Binds: consumer, key. PostgreSQL and SQLite return
         /// the new row's id, or no row for a duplicate (the default [`Backend::claim`]).
@@ -276,6 +387,39 @@ pub(crate) mod sealed {
             key: &'a str,
         ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
 
+        /// Runs `sql` with (consumer, key) and returns the five integers of the row it returns.
+        fn fetch_claim_state<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            key: &'a str,
+        ) -> impl Future<Output = Result<Option<(i64, i64, i64, i64, i64)>, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` with (consumer, a number) and returns its (text, four integers) rows.
+        fn fetch_open_claims<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            n: i64,
+        ) -> impl Future<Output = Result<Vec<(String, i64, i64, i64, i64)>, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` binding (`secs`, `id`, `fence`), or (`id`, `fence`) without `secs`.
+        fn execute_fenced<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            secs: Option<f64>,
+            id: i64,
+            fence: i64,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` binding (consumer, key).
+        fn execute_key<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            key: &'a str,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
         /// Runs `sql` binding `id`.
         fn execute_id<'a>(
             conn: &'a mut Self::Connection,
@@ -345,8 +489,63 @@ pub(crate) mod sealed {
         for<'q> f64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
         for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
         for<'r> (i64, String, Vec<u8>): sqlx::FromRow<'r, DB::Row>,
+        for<'r> (i64, i64, i64, i64, i64): sqlx::FromRow<'r, DB::Row>,
+        for<'r> (String, i64, i64, i64, i64): sqlx::FromRow<'r, DB::Row>,
         usize: sqlx::ColumnIndex<DB::Row>,
     {
+        async fn fetch_claim_state<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            key: &'a str,
+        ) -> Result<Option<(i64, i64, i64, i64, i64)>, sqlx::Error> {
+            sqlx::query_as::<DB, (i64, i64, i64, i64, i64)>(sql)
+                .bind(consumer)
+                .bind(key)
+                .fetch_optional(conn)
+                .await
+        }
+
+        async fn fetch_open_claims<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            n: i64,
+        ) -> Result<Vec<(String, i64, i64, i64, i64)>, sqlx::Error> {
+            sqlx::query_as::<DB, (String, i64, i64, i64, i64)>(sql)
+                .bind(consumer)
+                .bind(n)
+                .fetch_all(conn)
+                .await
+        }
+
+        async fn execute_fenced<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            secs: Option<f64>,
+            id: i64,
+            fence: i64,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            let mut query = sqlx::query::<DB>(sql);
+            if let Some(secs) = secs {
+                query = query.bind(secs);
+            }
+            query.bind(id).bind(fence).execute(conn).await
+        }
+
+        async fn execute_key<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            consumer: &'a str,
+            key: &'a str,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::query::<DB>(sql)
+                .bind(consumer)
+                .bind(key)
+                .execute(conn)
+                .await
+        }
+
         async fn fetch_id<'a>(
             conn: &'a mut DB::Connection,
             sql: SqlStr,

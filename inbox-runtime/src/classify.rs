@@ -63,9 +63,13 @@ marker!(Transient);
 /// Classifies a processing failure on backend `DB`.
 pub fn classify<DB: InboxBackend>(err: &ProcessError) -> ErrorClass {
     match err {
-        ProcessError::Decode { .. } | ProcessError::Key(_) | ProcessError::Panicked(_) => {
-            ErrorClass::Permanent
-        }
+        ProcessError::Decode { .. }
+        | ProcessError::Key(_)
+        | ProcessError::Panicked(_)
+        | ProcessError::TwoPhaseInTransaction(_) => ErrorClass::Permanent,
+        // Another owner holds the key, or took it over: redelivered later (the verdict waits out
+        // a held lease), never tried again at once.
+        ProcessError::ClaimHeld { .. } | ProcessError::FencedOut { .. } => ErrorClass::Unknown,
         // The inbox's own SQL: a transient failure is retried, anything else (a missing table,
         // say) is an operator's problem that redelivery gives time to fix.
         ProcessError::Database { source, .. } if is_transient::<DB>(source) => {

@@ -1,6 +1,7 @@
 //! The handler contract (what `#[idempotent]` generates) and the outcomes of processing.
 
 use crate::backend::InboxBackend;
+use crate::claim::Claim;
 use sqlx::Transaction;
 use std::future::Future;
 
@@ -68,13 +69,36 @@ pub trait Handler: Send + Sync + 'static {
     /// `None` means "use the transport's id" (JetStream: `Nats-Msg-Id`, else `stream:sequence`).
     fn key(&self, message: &Self::Message, state: &Self::State) -> Option<String>;
 
-    /// Applies the message's effect inside `tx`. Never commits or rolls back `tx` itself.
+    /// Whether this is a two-phase handler (`#[idempotent(.., claim)]`), for side effects
+    /// outside the database: the runtime then claims the key with a lease and commits, calls
+    /// [`Handler::handle_claimed`], and marks the claim done afterwards (see [`Claim`]). `false`
+    /// (the default): [`Handler::handle`] runs in the marker's transaction.
+    const TWO_PHASE: bool = false;
+
+    /// Applies the message's effect inside `tx`. Never commits or rolls back `tx` itself. Not
+    /// called for a two-phase handler.
     fn handle<'a, 'c>(
         &'a self,
         message: Self::Message,
         tx: &'a mut Transaction<'c, Self::Db>,
         state: &'a Self::State,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a;
+
+    /// A two-phase handler's body: performs the side effect (with
+    /// [`Claim::idempotency_key`]) while the runtime renews the claim's lease, and writes what
+    /// must commit with "done" in [`Claim::tx`]. Called only when [`Handler::TWO_PHASE`] is
+    /// set; by default it runs [`Handler::handle`] in the claim's transaction.
+    fn handle_claimed<'a>(
+        &'a self,
+        message: Self::Message,
+        claim: &'a mut Claim<Self::Db>,
+        state: &'a Self::State,
+    ) -> impl Future<Output = Result<(), BoxError>> + Send + 'a {
+        async move {
+            let tx = claim.tx().await?;
+            self.handle(message, tx, state).await.map_err(Into::into)
+        }
+    }
 }
 
 /// What processing one message came to.

@@ -80,6 +80,31 @@ pub enum ProcessError {
     /// the same message would panic again.
     #[error("handler panicked: {0}")]
     Panicked(String),
+    /// Two-phase: the key's claim is held by another owner whose lease runs `remaining` longer.
+    /// Redelivered after it (never acked: that owner may still fail, and then this delivery
+    /// takes over); dead-lettered on the last delivery.
+    #[error("the key's claim is held by another owner for {remaining:?} more")]
+    ClaimHeld {
+        /// How long the owner's lease still runs.
+        remaining: Duration,
+    },
+    /// Two-phase: another owner took the claim over (this one's lease had run out, a frozen
+    /// process say), so this owner's completion was refused and its writes rolled back. The
+    /// side effect may have happened twice, with the same idempotency key. Nak'd; the
+    /// redelivery finds the claim done (or held).
+    #[error(
+        "the claim was taken over by another owner: fence {fence} no longer holds it, so its completion was refused"
+    )]
+    FencedOut {
+        /// The fence this owner held.
+        fence: i64,
+    },
+    /// A two-phase handler (consumer named) was run in a caller's transaction
+    /// ([`Inbox::process_in`]), where its claim cannot commit on its own. Permanent.
+    #[error(
+        "handler for consumer {0:?} is two-phase (`claim`): it runs through Inbox::process or a worker, not in a caller's transaction"
+    )]
+    TwoPhaseInTransaction(&'static str),
 }
 
 /// The inbox over one database pool and table. Cheap to clone.
@@ -100,6 +125,7 @@ pub enum ProcessError {
 pub struct Inbox<DB: InboxBackend> {
     pool: Pool<DB>,
     table: TableName,
+    lease: Duration,
     pub(crate) sql: Statements,
 }
 
@@ -108,6 +134,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
         Inbox {
             pool: self.pool.clone(),
             table: self.table.clone(),
+            lease: self.lease,
             sql: self.sql.clone(),
         }
     }
@@ -125,7 +152,23 @@ impl<DB: InboxBackend> Inbox<DB> {
             sql: Statements::new::<DB>(&table, DEFAULT_LOCK_TIMEOUT),
             pool,
             table,
+            lease: crate::claim::DEFAULT_LEASE,
         }
+    }
+
+    /// How long a two-phase claim's lease lasts (default 10 s; at least 30 ms): how long a
+    /// crashed owner's claim holds its key before a redelivery may take it over. It is renewed
+    /// every third of it while the side effect runs, so a slow side effect keeps its claim; keep it
+    /// below the consumer's `ack_wait` (the worker refuses it otherwise), so that the redelivery
+    /// after a crash finds the lease run out.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(30));
+        self
+    }
+
+    /// The lease of two-phase claims: see [`Inbox::lease`].
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
     }
 
     /// How long a message's transaction waits for a lock (default 30 s): PostgreSQL's
@@ -214,6 +257,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         message: H::Message,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
+        if H::TWO_PHASE {
+            return self.process_claimed(handler, state, message, key).await;
+        }
         let mut tx = DB::begin(&self.pool, self.sql.begin.clone())
             .await
             .map_err(|source| ProcessError::Database {
@@ -254,7 +300,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// another connection, decides: committed, the message is done ([`Outcome::Ack`]; its effect
     /// is committed once, by this transaction or a twin's); absent, or not to be looked up, the
     /// failure stands and is retried (where the claim decides again).
-    async fn after_failed_commit(
+    pub(crate) async fn after_failed_commit(
         &self,
         consumer: &str,
         key: &str,
@@ -325,7 +371,9 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// Claims `key` and runs the handler inside `tx`, a transaction (or savepoint) the caller owns
-    /// and commits. On [`Outcome::Skip`] or an error the caller must roll `tx` back.
+    /// and commits. On [`Outcome::Skip`] or an error the caller must roll `tx` back. A two-phase
+    /// handler cannot run in a caller's transaction (its claim commits first):
+    /// [`ProcessError::TwoPhaseInTransaction`].
     pub async fn process_in<'c, H: Handler<Db = DB>>(
         &self,
         tx: &mut Transaction<'c, DB>,
@@ -334,6 +382,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         message: H::Message,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
+        if H::TWO_PHASE {
+            return Err(ProcessError::TwoPhaseInTransaction(H::CONSUMER));
+        }
         let claim = DB::claim(tx, self.sql.claim.clone(), H::CONSUMER, key)
             .await
             .map_err(|source| ProcessError::Database {

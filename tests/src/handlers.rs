@@ -131,6 +131,92 @@ impl Probe {
     }
 }
 
+/// A fake remote side (an e-mail API, a payment provider) that a two-phase handler calls: it
+/// records every call with the idempotency key, fence and attempt it carried, can hold calls at a
+/// gate, and can answer with an error status. Clones share it.
+#[derive(Debug, Clone, Default)]
+pub struct Remote(std::sync::Arc<RemoteInner>);
+
+#[derive(Debug, Default)]
+struct RemoteInner {
+    calls: std::sync::Mutex<Vec<Call>>,
+    hold: std::sync::atomic::AtomicBool,
+    status: std::sync::atomic::AtomicU16,
+    entered: Notify,
+    release: Notify,
+}
+
+/// One call the [`Remote`] received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Call {
+    /// The message's key.
+    pub key: String,
+    /// The idempotency key it carried.
+    pub idempotency_key: String,
+    /// The caller's fence.
+    pub fence: i64,
+    /// The caller's attempt.
+    pub attempt: i64,
+}
+
+/// The remote's answer when it fails: its status, as a client library would report it. A 5xx is
+/// marked transient, any other status permanent.
+#[derive(Debug, thiserror::Error)]
+#[error("remote answered {0}")]
+pub struct Status(pub u16);
+
+impl Remote {
+    /// Holds every call at the gate until [`Remote::release`].
+    pub fn hold(&self) {
+        self.0.hold.store(true, Ordering::SeqCst);
+    }
+
+    /// Answers every call with `status` (0: success).
+    pub fn answer(&self, status: u16) {
+        self.0.status.store(status, Ordering::SeqCst);
+    }
+
+    /// Waits until a call is held at the gate.
+    pub async fn entered(&self) {
+        self.0.entered.notified().await
+    }
+
+    /// Lets held calls go on, and stops holding.
+    pub fn release(&self) {
+        self.0.hold.store(false, Ordering::SeqCst);
+        self.0.release.notify_waiters();
+        self.0.release.notify_one();
+    }
+
+    /// The calls so far.
+    pub fn calls(&self) -> Vec<Call> {
+        self.0.calls.lock().unwrap().clone()
+    }
+
+    /// Called by the handler: records the call, holds when asked, answers as told.
+    pub async fn call<DB: inbox_runtime::InboxBackend>(
+        &self,
+        claim: &inbox_runtime::Claim<DB>,
+    ) -> Result<(), inbox_runtime::BoxError> {
+        self.0.calls.lock().unwrap().push(Call {
+            key: claim.key().to_owned(),
+            idempotency_key: claim.idempotency_key().to_owned(),
+            fence: claim.fence(),
+            attempt: claim.attempt(),
+        });
+        if self.0.hold.load(Ordering::SeqCst) {
+            let released = self.0.release.notified();
+            self.0.entered.notify_one();
+            released.await;
+        }
+        match self.0.status.load(Ordering::SeqCst) {
+            0 => Ok(()),
+            s if s >= 500 => Err(inbox_runtime::Transient::new(Status(s)).into()),
+            s => Err(inbox_runtime::Permanent::new(Status(s)).into()),
+        }
+    }
+}
+
 /// A handler's own error.
 #[derive(Debug, thiserror::Error)]
 pub enum LedgerError {
@@ -155,7 +241,7 @@ pub enum LedgerError {
 macro_rules! backend_handlers {
     ($db:ty, ledger = $ledger:literal, credit = $credit:literal, payment = $payment:literal $(,)?) => {
         use inbox_runtime::{Tx, idempotent};
-        use $crate::handlers::{Entry, LedgerError, Probe};
+        use $crate::handlers::{Entry, LedgerError, Probe, Remote};
 
         /// Appends `msg` to the ledger.
         async fn append(msg: &Entry, tx: &mut Tx<'_, $db>) -> Result<(), sqlx::Error> {
@@ -208,6 +294,19 @@ macro_rules! backend_handlers {
         pub async fn credit(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
             let upsert = sqlx::query($credit).bind(msg.account).bind(msg.amount);
             upsert.execute(&mut **tx).await.map(drop)
+        }
+
+        /// Two-phase: calls the [`Remote`] with the claim's idempotency key, then appends a
+        /// ledger row that commits with "done".
+        #[idempotent(consumer = "remote", key = msg.key, claim)]
+        pub async fn remote(
+            msg: Entry,
+            claim: &mut inbox_runtime::Claim<$db>,
+            api: &Remote,
+        ) -> Result<(), inbox_runtime::BoxError> {
+            api.call(claim).await?;
+            append(&msg, claim.tx().await?).await?;
+            Ok(())
         }
 
         /// Records a payment whose reference (`msg.account`) is UNIQUE in the business table.

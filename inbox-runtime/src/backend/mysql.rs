@@ -17,6 +17,19 @@ use std::time::Duration;
 impl Backend for MySql {
     const NAME: &'static str = "MySQL";
     const NOW_SQL: &'static str = "CURRENT_TIMESTAMP(6)";
+    const INT64: &'static str = "SIGNED";
+    // VARBINARY: valid UTF-8 (keys are strings), converted for decoding as one.
+    const KEY_TEXT: &'static str = "CONVERT(message_key USING utf8mb4)";
+
+    fn secs_from_now_sql(param: &str) -> String {
+        format!("CURRENT_TIMESTAMP(6) + INTERVAL CAST({param} * 1000000 AS SIGNED) MICROSECOND")
+    }
+
+    fn ms_until_sql(column: &str) -> String {
+        format!(
+            "CAST(TIMESTAMPDIFF(MICROSECOND, CURRENT_TIMESTAMP(6), {column}) DIV 1000 AS SIGNED)"
+        )
+    }
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(

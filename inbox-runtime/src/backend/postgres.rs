@@ -11,6 +11,15 @@ impl Backend for Postgres {
     const NAME: &'static str = "PostgreSQL";
     // The statement's own time, not now(): that is when the transaction began.
     const NOW_SQL: &'static str = "clock_timestamp()";
+    const INT64: &'static str = "BIGINT";
+
+    fn secs_from_now_sql(param: &str) -> String {
+        format!("clock_timestamp() + make_interval(secs => {param})")
+    }
+
+    fn ms_until_sql(column: &str) -> String {
+        format!("CAST(EXTRACT(EPOCH FROM ({column} - clock_timestamp())) * 1000 AS BIGINT)")
+    }
 
     fn claim_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
@@ -67,6 +76,12 @@ impl Backend for Postgres {
                 stored_at TIMESTAMPTZ NOT NULL DEFAULT now()
             );
             CREATE INDEX IF NOT EXISTS {table}_dl_idx ON {table}_dead_letters (consumer, id);"
+            ),
+            // Open two-phase claims, for the sweeper. Partial: one-transaction markers never
+            // set lease_until, so they never enter it, and their processed_at update stays HOT.
+            format!(
+                "CREATE INDEX IF NOT EXISTS {table}_open_claims_idx ON {table} (consumer, id) \
+                 WHERE lease_until IS NOT NULL"
             ),
         ]
     }

@@ -14,6 +14,17 @@ const NOW: &str = "strftime('%Y-%m-%dT%H:%M:%fZ', 'now')";
 impl Backend for Sqlite {
     const NAME: &'static str = "SQLite";
     const NOW_SQL: &'static str = NOW;
+    const INT64: &'static str = "INTEGER";
+    // BEGIN IMMEDIATE holds the database's write lock already.
+    const FOR_UPDATE: &'static str = "";
+
+    fn secs_from_now_sql(param: &str) -> String {
+        format!("strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '+' || {param} || ' seconds')")
+    }
+
+    fn ms_until_sql(column: &str) -> String {
+        format!("CAST((julianday({column}) - julianday('now')) * 86400000 AS INTEGER)")
+    }
 
     async fn claim_many<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
@@ -95,6 +106,10 @@ impl Backend for Sqlite {
                 stored_at TEXT NOT NULL DEFAULT ({NOW})
             );
             CREATE INDEX IF NOT EXISTS {table}_dl_idx ON {table}_dead_letters (consumer, id);"
+        ), format!(
+            // Open two-phase claims, for the sweeper; one-transaction markers never enter it.
+            "CREATE INDEX IF NOT EXISTS {table}_open_claims_idx ON {table} (consumer, id) \
+             WHERE lease_until IS NOT NULL"
         )]
     }
 

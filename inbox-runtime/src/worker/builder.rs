@@ -58,6 +58,19 @@ pub enum WorkerError {
         /// The consumer's name.
         consumer: String,
     },
+    /// A two-phase handler's lease is not below the consumer's `ack_wait`: after a crash the
+    /// redelivery would find the lease still running and wait it out, spending deliveries.
+    #[error(
+        "the inbox's claim lease {lease:?} is not below consumer {consumer:?}'s ack_wait {ack_wait:?}; use a shorter Inbox::lease or a longer ack_wait, so that a redelivery after a crash finds the lease run out"
+    )]
+    LeaseNotBelowAckWait {
+        /// The consumer's name.
+        consumer: String,
+        /// The inbox's lease.
+        lease: Duration,
+        /// The consumer's `ack_wait`.
+        ack_wait: Duration,
+    },
     /// `concurrency(0)` was asked for.
     #[error("concurrency must be at least 1")]
     ZeroConcurrency,
@@ -114,6 +127,15 @@ pub enum WorkerError {
     },
 }
 
+/// The sweeper of a two-phase handler's open claims: see [`WorkerBuilder::sweep`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sweep {
+    /// How often it looks.
+    pub every: Duration,
+    /// A claim open (not done) this long after it was first taken is reported.
+    pub older_than: Duration,
+}
+
 /// What the user asked for; defaults in [`Options::default`].
 #[derive(Debug, Clone)]
 pub(crate) struct Options {
@@ -130,6 +152,8 @@ pub(crate) struct Options {
     pub unlimited_age_ok: bool,
     pub cleanup_margin: Duration,
     pub cleanup_every: Duration,
+    /// The sweeper's period and threshold; the threshold defaults to 5 × `ack_wait`.
+    pub sweep: (Duration, Option<Duration>),
 }
 
 impl Default for Options {
@@ -148,6 +172,7 @@ impl Default for Options {
             unlimited_age_ok: false,
             cleanup_margin: Duration::from_secs(3600),
             cleanup_every: Duration::from_secs(60),
+            sweep: (Duration::from_secs(60), None),
         }
     }
 }
@@ -170,6 +195,8 @@ pub(crate) struct Settings {
     pub progress_every: Duration,
     pub limits: Limits,
     pub cleanup: Option<Schedule>,
+    /// The sweeper of open claims (two-phase handlers only; set by `build`).
+    pub sweep: Option<Sweep>,
 }
 
 /// Batched commits: see [`WorkerBuilder::batch`].
@@ -226,10 +253,7 @@ pub(crate) fn check(
     if config.max_ack_pending > 0 {
         concurrency = concurrency.min(config.max_ack_pending as usize);
     }
-    let ack_wait = match config.ack_wait {
-        d if d.is_zero() => DEFAULT_ACK_WAIT,
-        d => d,
-    };
+    let ack_wait = ack_wait_of(config);
     let limits = Limits {
         max_deliver: config.max_deliver,
         backoff: config.backoff.clone(),
@@ -277,7 +301,16 @@ pub(crate) fn check(
         progress_every: (ack_wait / 3).max(Duration::from_millis(100)),
         limits,
         cleanup,
+        sweep: None,
     })
+}
+
+/// The `ack_wait` the server applies to `config`.
+fn ack_wait_of(config: &consumer::Config) -> Duration {
+    match config.ack_wait {
+        d if d.is_zero() => DEFAULT_ACK_WAIT,
+        d => d,
+    }
 }
 
 /// Which handler (by type) uses each consumer name, per kind of database and inbox table, in
@@ -455,6 +488,18 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
+    /// How often a two-phase handler's worker looks for claims left open (default every 60 s),
+    /// and how long after its first claim an open claim is reported (default 5 × the consumer's
+    /// `ack_wait`): a warning per claim with its key and age, and their number in
+    /// [`Stats::open_claims`](super::Stats::open_claims). See
+    /// [`Inbox::open_claims`](crate::Inbox::open_claims) to list them and
+    /// [`Inbox::release_claim`](crate::Inbox::release_claim) to let the next delivery take one
+    /// over.
+    pub fn sweep(mut self, every: Duration, older_than: Duration) -> Self {
+        self.options.sweep = (every.max(Duration::from_millis(10)), Some(older_than));
+        self
+    }
+
     /// How often cleanup runs (default every 60 s).
     pub fn cleanup_every(mut self, every: Duration) -> Self {
         self.options.cleanup_every = every;
@@ -479,13 +524,29 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         claim_consumer_name::<H>(self.inbox.table())?;
         let info = self.consumer.cached_info();
         let pool_size = self.inbox.pool().options().get_max_connections() as usize;
-        let settings = check(
-            &self.options,
-            &info.name,
-            &info.config,
-            H::CONSUMER,
-            pool_size,
-        )?;
+        let mut options = self.options.clone();
+        if H::TWO_PHASE {
+            // A claim commits on its own and holds a lease per message: there is no batch to
+            // share a transaction with.
+            options.batch = None;
+        }
+        let mut settings = check(&options, &info.name, &info.config, H::CONSUMER, pool_size)?;
+        if H::TWO_PHASE {
+            let ack_wait = ack_wait_of(&info.config);
+            let lease = self.inbox.lease_duration();
+            if lease >= ack_wait {
+                return Err(WorkerError::LeaseNotBelowAckWait {
+                    consumer: info.name.clone(),
+                    lease,
+                    ack_wait,
+                });
+            }
+            let (every, older_than) = options.sweep;
+            settings.sweep = Some(Sweep {
+                every,
+                older_than: older_than.unwrap_or(ack_wait * 5),
+            });
+        }
         let Options {
             dead_letter_stream,
             dead_letter_prefix,

@@ -382,7 +382,10 @@ where
 fn reached_the_database(err: &ProcessError) -> bool {
     matches!(
         err,
-        ProcessError::Handler(_) | ProcessError::Database { .. }
+        ProcessError::Handler(_)
+            | ProcessError::Database { .. }
+            | ProcessError::ClaimHeld { .. }
+            | ProcessError::FencedOut { .. }
     )
 }
 

@@ -42,6 +42,8 @@ pub struct Stats {
     pub nacked: u64,
     /// Poison messages terminated.
     pub terminated: u64,
+    /// Two-phase handlers: claims found open past the sweeper's threshold at its last look.
+    pub open_claims: u64,
 }
 
 /// Counters of what a worker did, by outcome.
@@ -51,6 +53,7 @@ struct Counters {
     skipped: AtomicU64,
     nacked: AtomicU64,
     terminated: AtomicU64,
+    open_claims: AtomicU64,
 }
 
 /// A JetStream consumer processing messages through an [`Inbox`] with one handler. Cheap to
@@ -155,6 +158,7 @@ impl<H: Handler> Worker<H> {
             skipped: c.skipped.load(Ordering::Relaxed),
             nacked: c.nacked.load(Ordering::Relaxed),
             terminated: c.terminated.load(Ordering::Relaxed),
+            open_claims: c.open_claims.load(Ordering::Relaxed),
         }
     }
 }
@@ -190,6 +194,13 @@ where
             ));
         }
         tasks.spawn(relay_parked_letters(self.inner.clone(), shutdown.clone()));
+        if let Some(sweep) = self.inner.settings.sweep {
+            tasks.spawn(sweep_open_claims(
+                self.inner.clone(),
+                sweep,
+                shutdown.clone(),
+            ));
+        }
         pull::run(&self.inner, &shutdown, &tasks).await;
         tasks.close();
         tasks.wait().await;
@@ -199,6 +210,45 @@ where
         let stats = self.stats();
         tracing::info!(consumer = H::CONSUMER, ?stats, "inbox worker stopped");
         stats
+    }
+}
+
+/// Reports the claims of a two-phase handler left open past the threshold, every period, until
+/// `shutdown`: a warning each, and their number in [`Stats::open_claims`].
+async fn sweep_open_claims<H: Handler>(
+    inner: Arc<Inner<H>>,
+    sweep: builder::Sweep,
+    shutdown: CancellationToken,
+) {
+    let mut ticks = tokio::time::interval(sweep.every);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = ticks.tick() => {}
+        }
+        match inner.inbox.open_claims(H::CONSUMER, sweep.older_than).await {
+            Ok(open) => {
+                for claim in &open {
+                    tracing::warn!(
+                        consumer = H::CONSUMER,
+                        key = %claim.key,
+                        age = ?claim.age,
+                        fence = claim.fence,
+                        attempts = claim.attempts,
+                        lease_left = ?claim.lease_left,
+                        "claim open longer than {:?}: its side effect may not have happened; release or forget it (Inbox::release_claim, Inbox::forget_claim) once its owner is known to be gone",
+                        sweep.older_than
+                    );
+                }
+                inner
+                    .counters
+                    .open_claims
+                    .store(open.len() as u64, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::debug!(consumer = H::CONSUMER, error = %e, "listing open claims failed")
+            }
+        }
     }
 }
 

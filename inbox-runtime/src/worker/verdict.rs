@@ -143,6 +143,11 @@ pub(crate) fn verdict(
         Err(failed) => failed,
     };
     let last_delivery = delivered >= limits.max_deliver;
+    // Another owner holds the claim: come back when its lease runs out (it may fail, and then
+    // this delivery takes over; it may finish, and then this one is a Skip).
+    if let (ProcessError::ClaimHeld { remaining }, false) = (err, last_delivery) {
+        return Verdict::Nak(*remaining + Duration::from_millis(100));
+    }
     match class {
         ErrorClass::Permanent => Verdict::DeadLetter(letter_text(err)),
         _ if last_delivery => Verdict::DeadLetter(format!(

@@ -45,6 +45,8 @@ pub trait TestBackend: Send + Sync + 'static {
     type Credit: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `payment`.
     type Payment: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
+    /// `remote`: two-phase.
+    type Remote: Handler<Db = Self::Db, Message = Entry, State = crate::handlers::Remote> + Default;
 
     /// The kit's name for this database.
     const BACKEND: Backend;

@@ -25,6 +25,7 @@ impl TestBackend for MySql {
     type ProbedByTransportId = handlers::probed_by_transport_id;
     type Credit = handlers::credit;
     type Payment = handlers::payment;
+    type Remote = handlers::remote;
     const BACKEND: Backend = Backend::MySql;
     const TABLES: [&'static str; 3] = [
         "CREATE TABLE ledger (id BIGINT AUTO_INCREMENT PRIMARY KEY, msg_key VARCHAR(255) NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",

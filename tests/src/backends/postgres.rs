@@ -25,6 +25,7 @@ impl TestBackend for Postgres {
     type ProbedByTransportId = handlers::probed_by_transport_id;
     type Credit = handlers::credit;
     type Payment = handlers::payment;
+    type Remote = handlers::remote;
     const BACKEND: Backend = Backend::Postgres;
     const TABLES: [&'static str; 3] = [
         "CREATE TABLE ledger (id BIGSERIAL PRIMARY KEY, msg_key TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",

@@ -25,6 +25,7 @@ impl TestBackend for Sqlite {
     type ProbedByTransportId = handlers::probed_by_transport_id;
     type Credit = handlers::credit;
     type Payment = handlers::payment;
+    type Remote = handlers::remote;
     const BACKEND: Backend = Backend::Sqlite;
     const SINGLE_WRITER: bool = true;
     const TABLES: [&'static str; 3] = [

@@ -40,6 +40,7 @@ mod all_or_nothing;
 mod bad_input_is_dead_lettered;
 mod batches;
 mod business_unique_violation_is_an_error;
+mod claims;
 mod cleanup;
 mod committed_not_acked_is_skipped_on_redelivery;
 mod concurrent_migrations;
