@@ -1,7 +1,10 @@
-//! The `credit` example: a consumer that credits accounts exactly once per message.
+//! The `credit` example: a consumer that credits accounts exactly once per message; and the
+//! `email` example ([`email`]): a two-phase consumer that calls an HTTP API once per message.
 //!
-//! The binary in `src/bin/credit.rs` is a thin `main` over [`run`], configured from the
-//! environment (see [`Config::from_env`]).
+//! The binaries in `src/bin/` are thin `main`s over [`run`] and [`email::run`], configured from
+//! the environment (see [`Config::from_env`], [`email::EmailConfig::from_env`]).
+
+pub mod email;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
@@ -220,8 +223,9 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 /// `shutdown` is cancelled. The database is chosen by `DATABASE_URL`'s scheme. NATS or the
 /// database being down at start is waited out (capped backoff, one log line per attempt).
 pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, Error> {
+    let spec = config.consumer_spec();
     let Some((jetstream, consumer, stream)) =
-        until_up("NATS", &shutdown, || jetstream_consumer(config)).await?
+        until_up("NATS", &shutdown, || jetstream_consumer(&spec)).await?
     else {
         return Ok(Stats::default());
     };
@@ -270,7 +274,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
 }
 
 /// Why a start-up step failed: a service that is down (wait and retry) or anything else (stop).
-enum StartError {
+pub(crate) enum StartError {
     Down(String),
     Fatal(Error),
 }
@@ -282,7 +286,7 @@ impl<E: Into<Error>> From<E> for StartError {
 }
 
 /// `e`, from opening the database at `shown` (its URL, redacted), as a start-up error.
-fn db_start_error<DB: InboxBackend>(shown: &str, e: sqlx::Error) -> StartError {
+pub(crate) fn db_start_error<DB: InboxBackend>(shown: &str, e: sqlx::Error) -> StartError {
     if is_transient::<DB>(&e) {
         StartError::Down(format!("{shown}: {e}"))
     } else {
@@ -292,7 +296,7 @@ fn db_start_error<DB: InboxBackend>(shown: &str, e: sqlx::Error) -> StartError {
 
 /// Runs `step` until it succeeds, waiting out `Down` errors with capped exponential backoff and
 /// one log line per attempt. `None` when `shutdown` came first.
-async fn until_up<T, F, Fut>(
+pub(crate) async fn until_up<T, F, Fut>(
     what: &str,
     shutdown: &CancellationToken,
     mut step: F,
@@ -318,12 +322,35 @@ where
     }
 }
 
+/// The stream and durable consumer an example consumes: created when missing.
+pub(crate) struct ConsumerSpec<'a> {
+    pub nats_url: &'a str,
+    pub stream: &'a str,
+    pub subject: &'a str,
+    pub durable: &'a str,
+    pub ack_wait: Duration,
+    pub max_deliver: i64,
+}
+
+impl Config {
+    fn consumer_spec(&self) -> ConsumerSpec<'_> {
+        ConsumerSpec {
+            nats_url: &self.nats_url,
+            stream: &self.stream,
+            subject: &self.subject,
+            durable: &self.durable,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 10,
+        }
+    }
+}
+
 /// Gets or creates the stream and the durable pull consumer.
-async fn jetstream_consumer(
-    config: &Config,
+pub(crate) async fn jetstream_consumer(
+    config: &ConsumerSpec<'_>,
 ) -> Result<(jetstream::Context, PullConsumer, stream::Stream), StartError> {
     use async_nats::ConnectErrorKind;
-    let shown = redact::url_list(&config.nats_url);
+    let shown = redact::url_list(config.nats_url);
     // NATS_URL may list several servers, comma-separated (the NATS convention for a cluster).
     let servers: Vec<&str> = config
         .nats_url
@@ -344,10 +371,10 @@ async fn jetstream_consumer(
     let js = jetstream::new(client);
     let stream = js
         .get_or_create_stream(stream::Config {
-            name: config.stream.clone(),
+            name: config.stream.to_owned(),
             // Messages are kept three days, markers seven (RETENTION), above the floor.
             max_age: MAX_AGE,
-            subjects: vec![config.subject.clone()],
+            subjects: vec![config.subject.to_owned()],
             ..Default::default()
         })
         .await
@@ -362,14 +389,14 @@ async fn jetstream_consumer(
         })?;
     let consumer = stream
         .get_or_create_consumer(
-            &config.durable,
+            config.durable,
             pull::Config {
-                durable_name: Some(config.durable.clone()),
+                durable_name: Some(config.durable.to_owned()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(30),
+                ack_wait: config.ack_wait,
                 // Finite, so that a message that keeps failing ends up dead-lettered.
-                max_deliver: 10,
-                filter_subject: config.subject.clone(),
+                max_deliver: config.max_deliver,
+                filter_subject: config.subject.to_owned(),
                 ..Default::default()
             },
         )
@@ -389,7 +416,7 @@ async fn jetstream_consumer(
 /// concurrency follows the pool), and no ping before every acquire (the hot path is BEGIN,
 /// claim, handler, COMMIT, and a dead connection fails BEGIN, which is retried like any transient
 /// error).
-fn server_pool<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
+pub(crate) fn server_pool<DB: sqlx::Database>(size: u32) -> PoolOptions<DB> {
     PoolOptions::new()
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(5))
@@ -443,6 +470,64 @@ impl Serve<'_> {
         let stats = worker.run_until(self.shutdown).await;
         pool.close().await;
         Ok(stats)
+    }
+}
+
+/// The `main` of an example binary named `name`: logs (scrubbed of `secrets`) to stderr at
+/// `RUST_LOG` (default `info`), a panic's message scrubbed too, SIGINT and SIGTERM cancelling the
+/// token `consume` runs until, and on success one machine-readable line on stdout for scripts
+/// such as `cargo xtask demo`: `<name> stopped: applied=N skipped=N nacked=N terminated=N`.
+pub async fn main_loop(
+    name: &'static str,
+    secrets: redact::Secrets,
+    consume: impl AsyncFnOnce(CancellationToken) -> Result<Stats, Error>,
+) -> std::process::ExitCode {
+    use tokio::signal::unix::{SignalKind, signal};
+    use tracing_subscriber::EnvFilter;
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(redact::ScrubbedStderr::new(secrets.clone()))
+        .init();
+    let on_panic = secrets.clone();
+    std::panic::set_hook(Box::new(move |panic| {
+        eprintln!("{name}: {}", on_panic.scrub(&panic.to_string()));
+    }));
+
+    let shutdown = CancellationToken::new();
+    let on_signal = shutdown.clone();
+    let (mut term, mut int) = match (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) {
+        (Ok(t), Ok(i)) => (t, i),
+        _ => {
+            eprintln!("{name}: cannot install signal handlers");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        tracing::info!("signal received; stopping");
+        on_signal.cancel();
+    });
+
+    match consume(shutdown).await {
+        Ok(stats) => {
+            println!(
+                "{name} stopped: applied={} skipped={} nacked={} terminated={}",
+                stats.acked, stats.skipped, stats.nacked, stats.terminated
+            );
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{name}: {}", secrets.scrub(&e.to_string()));
+            std::process::ExitCode::FAILURE
+        }
     }
 }
 

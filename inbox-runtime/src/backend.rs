@@ -393,7 +393,7 @@ pub(crate) mod sealed {
             sql: SqlStr,
             consumer: &'a str,
             key: &'a str,
-        ) -> impl Future<Output = Result<Option<(i64, i64, i64, i64, i64)>, sqlx::Error>> + Send + 'a;
+        ) -> impl Future<Output = Result<Option<ClaimRow>, sqlx::Error>> + Send + 'a;
 
         /// Runs `sql` with (consumer, a number) and returns its (text, four integers) rows.
         fn fetch_open_claims<'a>(
@@ -401,7 +401,7 @@ pub(crate) mod sealed {
             sql: SqlStr,
             consumer: &'a str,
             n: i64,
-        ) -> impl Future<Output = Result<Vec<(String, i64, i64, i64, i64)>, sqlx::Error>> + Send + 'a;
+        ) -> impl Future<Output = Result<Vec<OpenClaimRow>, sqlx::Error>> + Send + 'a;
 
         /// Runs `sql` binding (`secs`, `id`, `fence`), or (`id`, `fence`) without `secs`.
         fn execute_fenced<'a>(
@@ -498,8 +498,8 @@ pub(crate) mod sealed {
             sql: SqlStr,
             consumer: &'a str,
             key: &'a str,
-        ) -> Result<Option<(i64, i64, i64, i64, i64)>, sqlx::Error> {
-            sqlx::query_as::<DB, (i64, i64, i64, i64, i64)>(sql)
+        ) -> Result<Option<ClaimRow>, sqlx::Error> {
+            sqlx::query_as::<DB, ClaimRow>(sql)
                 .bind(consumer)
                 .bind(key)
                 .fetch_optional(conn)
@@ -511,16 +511,16 @@ pub(crate) mod sealed {
             sql: SqlStr,
             consumer: &'a str,
             n: i64,
-        ) -> Result<Vec<(String, i64, i64, i64, i64)>, sqlx::Error> {
-            sqlx::query_as::<DB, (String, i64, i64, i64, i64)>(sql)
+        ) -> Result<Vec<OpenClaimRow>, sqlx::Error> {
+            sqlx::query_as::<DB, OpenClaimRow>(sql)
                 .bind(consumer)
                 .bind(n)
                 .fetch_all(conn)
                 .await
         }
 
-        async fn execute_fenced<'a>(
-            conn: &'a mut DB::Connection,
+        async fn execute_fenced(
+            conn: &mut DB::Connection,
             sql: SqlStr,
             secs: Option<f64>,
             id: i64,
@@ -631,6 +631,12 @@ pub(crate) mod sealed {
         }
     }
 }
+
+/// A claim's state row: (id, done 0/1, ms until `lease_until` or -1, fence, attempts).
+pub(crate) type ClaimRow = (i64, i64, i64, i64, i64);
+
+/// An open claim's row: (key, fence, attempts, age ms, ms until `lease_until` or -1).
+pub(crate) type OpenClaimRow = (String, i64, i64, i64, i64);
 
 /// The claims of `keys`, in order, from the (key, id) rows one statement inserted: a key's first
 /// copy with a row is new, every other copy a duplicate.

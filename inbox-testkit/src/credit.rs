@@ -1,4 +1,4 @@
-//! The `credit` example binary as a child process: spawned with its environment, stopped with
+//! The example binaries (`credit`, `email`) as child processes: spawned with its environment, stopped with
 //! SIGTERM (and its summary line read), killed with SIGKILL, or paused with SIGSTOP and resumed
 //! with SIGCONT.
 
@@ -27,15 +27,62 @@ pub struct CreditConfig {
     pub rust_log: String,
 }
 
-/// A running `credit` process. Its stdout is piped (it prints one summary line there when it
+/// Where and how to run `email`: its binary and the environment it reads.
+#[derive(Debug, Clone)]
+pub struct EmailConfig {
+    /// The `email` binary (`env!("CARGO_BIN_EXE_email")` in the example's tests).
+    pub binary: PathBuf,
+    /// `NATS_URL`.
+    pub nats_url: String,
+    /// `DATABASE_URL`.
+    pub database_url: String,
+    /// `EMAIL_STREAM`.
+    pub stream: String,
+    /// `EMAIL_SUBJECT`.
+    pub subject: String,
+    /// `EMAIL_CONSUMER`: the durable consumer's name.
+    pub consumer: String,
+    /// `EMAIL_API_URL`.
+    pub api_url: String,
+    /// `EMAIL_LEASE_MS`.
+    pub lease: Duration,
+    /// `EMAIL_TEST_HOLD_BEFORE_CALL_MS`.
+    pub hold_before_call: Duration,
+    /// `RUST_LOG`.
+    pub rust_log: String,
+}
+
+impl EmailConfig {
+    /// Starts `email` as this says, its log appended to `log` (discarded when `None`).
+    pub fn spawn(&self, log: Option<&Path>) -> Result<CreditProcess, String> {
+        let env = [
+            ("NATS_URL", self.nats_url.clone()),
+            ("DATABASE_URL", self.database_url.clone()),
+            ("EMAIL_STREAM", self.stream.clone()),
+            ("EMAIL_SUBJECT", self.subject.clone()),
+            ("EMAIL_CONSUMER", self.consumer.clone()),
+            ("EMAIL_API_URL", self.api_url.clone()),
+            ("EMAIL_LEASE_MS", self.lease.as_millis().to_string()),
+            (
+                "EMAIL_TEST_HOLD_BEFORE_CALL_MS",
+                self.hold_before_call.as_millis().to_string(),
+            ),
+            ("RUST_LOG", self.rust_log.clone()),
+        ];
+        CreditProcess::spawn_with("email", &self.binary, &env, log)
+    }
+}
+
+/// A running example process (`credit` or `email`). Its stdout is piped (it prints one summary line there when it
 /// stops); its log (stderr) is appended to a file or discarded. Killed if dropped while running.
 #[derive(Debug)]
 pub struct CreditProcess {
     child: Child,
+    name: &'static str,
 }
 
-/// The counts from `credit`'s last line: `credit stopped: applied=N skipped=N nacked=N
-/// terminated=N`.
+/// The counts from the last line of `credit` (or `email`): `credit stopped: applied=N skipped=N
+/// nacked=N terminated=N`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Summary {
     /// Messages whose effect was committed and acked.
@@ -51,11 +98,17 @@ pub struct Summary {
 impl Summary {
     /// Parses the last line of `stdout` that starts with `credit stopped:`.
     pub fn parse(stdout: &str) -> Result<Summary, String> {
+        Self::parse_of("credit", stdout)
+    }
+
+    /// Parses the last line of `stdout` that starts with `<name> stopped:`.
+    pub fn parse_of(name: &str, stdout: &str) -> Result<Summary, String> {
+        let prefix = format!("{name} stopped:");
         let line = stdout
             .lines()
             .rev()
-            .find(|l| l.starts_with("credit stopped:"))
-            .ok_or_else(|| format!("no `credit stopped:` line in {stdout:?}"))?;
+            .find(|l| l.starts_with(&prefix))
+            .ok_or_else(|| format!("no `{prefix}` line in {stdout:?}"))?;
         let count = |name: &str| {
             line.split_whitespace()
                 .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
@@ -74,6 +127,24 @@ impl Summary {
 impl CreditProcess {
     /// Starts `credit` as `config` says, its log appended to `log` (discarded when `None`).
     pub fn spawn(config: &CreditConfig, log: Option<&Path>) -> Result<CreditProcess, String> {
+        let env = [
+            ("NATS_URL", config.nats_url.clone()),
+            ("DATABASE_URL", config.database_url.clone()),
+            ("CREDIT_STREAM", config.stream.clone()),
+            ("CREDIT_SUBJECT", config.subject.clone()),
+            ("CREDIT_CONSUMER", config.consumer.clone()),
+            ("RUST_LOG", config.rust_log.clone()),
+        ];
+        Self::spawn_with("credit", &config.binary, &env, log)
+    }
+
+    /// Starts `binary` (the example `name`) with `env`, its log appended to `log`.
+    fn spawn_with(
+        name: &'static str,
+        binary: &Path,
+        env: &[(&str, String)],
+        log: Option<&Path>,
+    ) -> Result<CreditProcess, String> {
         let stderr = match log {
             Some(path) => Stdio::from(
                 std::fs::OpenOptions::new()
@@ -84,20 +155,15 @@ impl CreditProcess {
             ),
             None => Stdio::null(),
         };
-        let child = Command::new(&config.binary)
-            .env("NATS_URL", &config.nats_url)
-            .env("DATABASE_URL", &config.database_url)
-            .env("CREDIT_STREAM", &config.stream)
-            .env("CREDIT_SUBJECT", &config.subject)
-            .env("CREDIT_CONSUMER", &config.consumer)
-            .env("RUST_LOG", &config.rust_log)
+        let child = Command::new(binary)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .env("NO_COLOR", "1")
             .stdout(Stdio::piped())
             .stderr(stderr)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| format!("cannot start {}: {e}", config.binary.display()))?;
-        Ok(CreditProcess { child })
+            .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
+        Ok(CreditProcess { child, name })
     }
 
     /// Asks it to stop cleanly (SIGTERM), without waiting.
@@ -119,7 +185,10 @@ impl CreditProcess {
 
     /// Sends signal `name` (`TERM`, `STOP`, `CONT`) with `kill`.
     fn signal(&self, name: &str) -> Result<(), String> {
-        let pid = self.child.id().ok_or("credit has already exited")?;
+        let pid = self
+            .child
+            .id()
+            .ok_or_else(|| format!("{} has already exited", self.name))?;
         let status = std::process::Command::new("kill")
             .args([&format!("-{name}"), &pid.to_string()])
             .status()
@@ -133,7 +202,7 @@ impl CreditProcess {
         self.child
             .kill()
             .await
-            .map_err(|e| format!("cannot kill credit: {e}"))
+            .map_err(|e| format!("cannot kill {}: {e}", self.name))
     }
 
     /// Whether it has exited (on its own, or after a signal).
@@ -145,8 +214,8 @@ impl CreditProcess {
     pub async fn wait(&mut self, deadline: Duration) -> Result<ExitStatus, String> {
         tokio::time::timeout(deadline, self.child.wait())
             .await
-            .map_err(|_| format!("credit did not exit within {deadline:?}"))?
-            .map_err(|e| format!("wait for credit: {e}"))
+            .map_err(|_| format!("{} did not exit within {deadline:?}", self.name))?
+            .map_err(|e| format!("wait for {}: {e}", self.name))
     }
 
     /// SIGTERM, then waits at most `deadline`; it must exit 0 and print its summary.
@@ -158,12 +227,15 @@ impl CreditProcess {
             stdout
                 .read_to_string(&mut out)
                 .await
-                .map_err(|e| format!("read credit's stdout: {e}"))?;
+                .map_err(|e| format!("read {}'s stdout: {e}", self.name))?;
         }
         if !status.success() {
-            return Err(format!("credit exited with {status}; stdout: {out:?}"));
+            return Err(format!(
+                "{} exited with {status}; stdout: {out:?}",
+                self.name
+            ));
         }
-        Summary::parse(&out)
+        Summary::parse_of(self.name, &out)
     }
 }
 

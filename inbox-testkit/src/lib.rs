@@ -21,15 +21,17 @@ mod credit;
 mod db;
 mod nats;
 mod proxy;
+mod sink;
 mod wait;
 
-pub use credit::{CreditConfig, CreditProcess, Summary};
+pub use credit::{CreditConfig, CreditProcess, EmailConfig, Summary};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
     publish_acked, publish_and_wait,
 };
 pub use proxy::TcpProxy;
+pub use sink::{Flaky, Sink, SinkCall, overlaps, why_again};
 pub use wait::{Poll, wait_until};
 
 use std::future::Future;
