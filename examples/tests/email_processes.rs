@@ -62,6 +62,7 @@ impl<B: TestBackend> Setup<B> {
             api_url: self.sink.url.clone(),
             lease,
             hold_before_call,
+            concurrency: None,
             rust_log: "info,inbox_runtime=debug".into(),
         };
         config

@@ -21,6 +21,9 @@ pub struct Args {
     pub key: Option<Expr>,
     /// `claim`: a two-phase handler, for side effects outside the database.
     pub claim: Option<proc_macro2::Span>,
+    /// Mistakes in arguments that still parsed (unknown, repeated, a value where none goes):
+    /// reported with the signature's, which is checked against what was meant.
+    pub errors: Option<syn::Error>,
 }
 
 impl Parse for Args {
@@ -29,6 +32,7 @@ impl Parse for Args {
             consumer: None,
             key: None,
             claim: None,
+            errors: None,
         };
         let mut errors: Option<syn::Error> = None;
         let mut push = |e: syn::Error| match &mut errors {
@@ -65,6 +69,8 @@ impl Parse for Args {
                     while !input.is_empty() && !input.peek(Token![,]) {
                         input.parse::<proc_macro2::TokenTree>()?;
                     }
+                    // Meant as a two-phase handler all the same: its signature is checked so.
+                    args.claim.get_or_insert(name.span);
                 } else if args.claim.is_some() {
                     push(syn::Error::new(name.span, "`claim` set multiple times"));
                 } else {
@@ -88,9 +94,7 @@ impl Parse for Args {
             }
             input.parse::<Token![,]>()?;
         }
-        match errors {
-            Some(e) => Err(e),
-            None => Ok(args),
-        }
+        args.errors = errors;
+        Ok(args)
     }
 }

@@ -84,11 +84,16 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
     let mut errors = Errors::default();
     let sig = &func.sig;
     let (consumer, key, claim) = match args {
-        Ok(args) => (
-            check_consumer(args.consumer, &mut errors),
-            args.key,
-            args.claim,
-        ),
+        Ok(args) => {
+            if let Some(e) = args.errors {
+                errors.add(e);
+            }
+            (
+                check_consumer(args.consumer, &mut errors),
+                args.key,
+                args.claim,
+            )
+        }
         Err(e) => {
             errors.add(e);
             (None, None, None)

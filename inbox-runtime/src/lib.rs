@@ -93,9 +93,17 @@ pub use worker::{
 ///   it the transport id is the key: `Nats-Msg-Id` (unless empty), else
 ///   `"{stream}:{stream_sequence}"`.
 ///
-/// The function takes the decoded message by value, the transaction as `&mut Tx<DB>`, and
-/// optionally a shared `&State` supplied once at registration, in any order, and returns
-/// `Result<(), E>`. It becomes a unit struct of the same name implementing [`Handler`].
+/// - `claim` (optional): a two-phase handler, for side effects outside the database (an e-mail,
+///   a card charge, an HTTP call): it takes `claim: &mut Claim<DB>` in place of the transaction.
+///   The key is claimed with a lease and committed before the body runs; the body performs the
+///   side effect with [`Claim::idempotency_key`] while the lease is renewed, and writes what must
+///   commit with "done" in [`Claim::tx`]; the claim is then marked done only if its fence still
+///   holds. See [`Claim`].
+///
+/// The function takes the decoded message by value, the transaction as `&mut Tx<DB>` (or, with
+/// `claim`, the claim as `&mut Claim<DB>`), and optionally a shared `&State` supplied once at
+/// registration, in any order, and returns `Result<(), E>`. It becomes a unit struct of the same
+/// name implementing [`Handler`].
 pub use inbox_macros::idempotent;
 
 /// The transaction a handler writes in: `&mut Tx<Postgres>` in a handler's signature.

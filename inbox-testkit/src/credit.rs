@@ -48,6 +48,8 @@ pub struct EmailConfig {
     pub lease: Duration,
     /// `EMAIL_TEST_HOLD_BEFORE_CALL_MS`.
     pub hold_before_call: Duration,
+    /// `EMAIL_CONCURRENCY`, when set.
+    pub concurrency: Option<u32>,
     /// `RUST_LOG`.
     pub rust_log: String,
 }
@@ -55,7 +57,7 @@ pub struct EmailConfig {
 impl EmailConfig {
     /// Starts `email` as this says, its log appended to `log` (discarded when `None`).
     pub fn spawn(&self, log: Option<&Path>) -> Result<CreditProcess, String> {
-        let env = [
+        let mut env = vec![
             ("NATS_URL", self.nats_url.clone()),
             ("DATABASE_URL", self.database_url.clone()),
             ("EMAIL_STREAM", self.stream.clone()),
@@ -69,6 +71,9 @@ impl EmailConfig {
             ),
             ("RUST_LOG", self.rust_log.clone()),
         ];
+        if let Some(n) = self.concurrency {
+            env.push(("EMAIL_CONCURRENCY", n.to_string()));
+        }
         CreditProcess::spawn_with("email", &self.binary, &env, log)
     }
 }

@@ -153,8 +153,8 @@ pub fn overlaps(by_key: &BTreeMap<String, Vec<SinkCall>>) -> Vec<(String, usize,
 
 /// Why a key was called more than once, from what the sink answered its earlier calls: "retried
 /// after a 503" when an earlier call failed, "called again after a success" (a takeover after a
-/// crash, or a zombie) when one had succeeded, "called again while a call was unanswered"
-/// otherwise.
+/// crash, or a zombie) when one had succeeded, "called again after a call went unanswered (its
+/// caller died mid-call)" otherwise.
 pub fn why_again(calls: &[SinkCall]) -> &'static str {
     let earlier = &calls[..calls.len().saturating_sub(1)];
     if earlier.iter().any(|c| c.status.is_some_and(|s| s < 300)) {
@@ -162,7 +162,7 @@ pub fn why_again(calls: &[SinkCall]) -> &'static str {
     } else if earlier.iter().any(|c| c.status.is_some_and(|s| s >= 500)) {
         "retried after a 503"
     } else {
-        "called again while a call was unanswered"
+        "called again after a call went unanswered (its caller died mid-call)"
     }
 }
 

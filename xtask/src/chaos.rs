@@ -1,6 +1,7 @@
 //! `cargo xtask chaos`: exactly-once under faults, for a user to run, audited message by message.
 //!
-//! Per backend, three steps.
+//! Per backend, the `credit` run below, then the `email` run of two-phase claims
+//! (`chaos_email.rs`). The `credit` run has three steps.
 //!
 //! **Publish**, on a private nats-server: N credit requests each published twice (once with
 //! `Nats-Msg-Id`, once without); a few to be dead-lettered at once, poison payloads (each a
@@ -94,6 +95,9 @@ pub struct Options {
     release: bool,
     /// Whether the private nats-servers run the current release instead of the machine's.
     pub current_nats: bool,
+    /// Which runs: the `credit` run, the `email` run, or both.
+    credit: bool,
+    email: bool,
 }
 
 impl Options {
@@ -104,6 +108,8 @@ impl Options {
             messages: 2_000,
             release: false,
             current_nats: false,
+            credit: true,
+            email: true,
         }
     }
 
@@ -137,6 +143,16 @@ impl Options {
                         .ok_or("--messages takes a number of at least 100")?;
                 }
                 "--release" => options.release = true,
+                "--run" => {
+                    (options.credit, options.email) = match it.next().map(String::as_str) {
+                        Some("credit") => (true, false),
+                        Some("email") => (false, true),
+                        Some("all") => (true, true),
+                        other => {
+                            return Err(format!("--run takes credit, email or all, not {other:?}"));
+                        }
+                    }
+                }
                 "--nats" => {
                     options.current_nats = match it.next().map(String::as_str) {
                         Some("machine") => false,
@@ -626,6 +642,12 @@ impl Report {
 /// Runs chaos on each backend asked for and prints the table.
 pub async fn run(options: Options) -> Result<(), String> {
     let credit = crate::build_credit(options.release)?;
+    let email = crate::build_example("email", options.release)?;
+    run_with(options, &credit, &email).await
+}
+
+/// [`run`] with the `credit` and `email` binaries already built.
+pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(), String> {
     let logs = crate::workspace_root().join("target/chaos");
     std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
     sqlx::any::install_default_drivers();
@@ -636,76 +658,95 @@ pub async fn run(options: Options) -> Result<(), String> {
         (inbox_testkit::nats_server_binary()?, "the machine's")
     };
     let mut reports = Vec::new();
+    let mut email_reports = Vec::new();
     for &backend in &options.backends {
         let n = options.messages;
+        if options.credit {
+            println!(
+                "\n== chaos on {} ({n} requests, nats-server {version})",
+                backend.name()
+            );
+            let binaries = (credit, nats_server.as_path());
+            reports.push(chaos(backend, n, binaries, &logs).await?);
+        }
+        if !options.email {
+            continue;
+        }
+        let emails = (n / 10).max(100);
         println!(
-            "\n== chaos on {} ({n} requests, nats-server {version})",
+            "\n== chaos, email (two-phase claims), on {} ({emails} requests, nats-server {version})",
             backend.name()
         );
-        let binaries = (credit.as_path(), nats_server.as_path());
-        reports.push(chaos(backend, n, binaries, &logs).await?);
+        let binaries = (email, nats_server.as_path());
+        email_reports.push(crate::chaos_email::run(backend, emails, binaries, &logs).await?);
     }
+    for r in &email_reports {
+        r.print();
+    }
+    let emails_failed = email_reports.iter().filter(|r| !r.ok()).count();
 
     let row = |cells: [&str; 11]| {
         let [b, p, a, d, l, t, o, k, s, r, c] = cells;
         println!("{b:<9} {p:>9} {a:>13} {d:>7} {l:>5} {t:>6} {o:>6} {k:>6} {s:>7} {r:>9} {c:>9}");
     };
-    row([
-        "backend",
-        "published",
-        "applied once",
-        "dead",
-        "lost",
-        "twice",
-        "other",
-        "kills",
-        "paused",
-        "dlq rej.",
-        "db cut",
-    ]);
-    for r in &reports {
-        let db_cut = match r.faults.db_cut {
-            DbCut::Cut { sessions } => format!("yes ({sessions})"),
-            DbCut::NotApplicable => "n/a".into(),
-            DbCut::Pending => "no".into(),
-        };
-        let paused = match r.faults.pause {
-            Pause::Done { held } => format!("{:.1}s", held.as_secs_f64()),
-            _ => "no".into(),
-        };
-        let rejected = match r.faults.outage {
-            Outage::Lifted {
-                rejected, at_last, ..
-            } => format!("{rejected} ({at_last})"),
-            Outage::Rejecting { .. } => "no".into(),
-        };
-        let f = &r.findings;
-        let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
-        let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
+    if !reports.is_empty() {
         row([
-            r.backend.name(),
-            &r.total.to_string(),
-            &format!("{}/{}", f.applied_once, r.requests),
-            &format!("{}/{}", f.dead_once, r.dead_expected),
-            &lost.to_string(),
-            &twice.to_string(),
-            &other.to_string(),
-            &r.faults.kills.to_string(),
-            &paused,
-            &rejected,
-            &db_cut,
+            "backend",
+            "published",
+            "applied once",
+            "dead",
+            "lost",
+            "twice",
+            "other",
+            "kills",
+            "paused",
+            "dlq rej.",
+            "db cut",
         ]);
-    }
-    println!(
-        "(applied once: request ids whose balance is 1 with a committed marker; dead: messages to \
+        for r in &reports {
+            let db_cut = match r.faults.db_cut {
+                DbCut::Cut { sessions } => format!("yes ({sessions})"),
+                DbCut::NotApplicable => "n/a".into(),
+                DbCut::Pending => "no".into(),
+            };
+            let paused = match r.faults.pause {
+                Pause::Done { held } => format!("{:.1}s", held.as_secs_f64()),
+                _ => "no".into(),
+            };
+            let rejected = match r.faults.outage {
+                Outage::Lifted {
+                    rejected, at_last, ..
+                } => format!("{rejected} ({at_last})"),
+                Outage::Rejecting { .. } => "no".into(),
+            };
+            let f = &r.findings;
+            let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
+            let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
+            row([
+                r.backend.name(),
+                &r.total.to_string(),
+                &format!("{}/{}", f.applied_once, r.requests),
+                &format!("{}/{}", f.dead_once, r.dead_expected),
+                &lost.to_string(),
+                &twice.to_string(),
+                &other.to_string(),
+                &r.faults.kills.to_string(),
+                &paused,
+                &rejected,
+                &db_cut,
+            ]);
+        }
+        println!(
+            "(applied once: request ids whose balance is 1 with a committed marker; dead: messages to \
          reject with exactly one letter; dlq rej.: letter publishes the dead-letter stream \
          rejected (of them on a last delivery); skipped, by the processes that stopped cleanly: {})",
-        reports
-            .iter()
-            .map(|r| format!("{} {}", r.backend.name(), r.skipped))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+            reports
+                .iter()
+                .map(|r| format!("{} {}", r.backend.name(), r.skipped))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
     for r in reports.iter().filter(|r| !r.ok()) {
         println!("\n{} FAILED:", r.backend.name());
         for (problem, labels) in &r.findings.problems {
@@ -728,11 +769,16 @@ pub async fn run(options: Options) -> Result<(), String> {
         }
     }
     let passed = reports.iter().filter(|r| r.ok()).count();
-    println!("chaos: {passed} passed, {} failed", reports.len() - passed);
-    if passed == reports.len() {
+    println!(
+        "chaos: {passed} passed, {} failed; email: {} passed, {emails_failed} failed",
+        reports.len() - passed,
+        email_reports.len() - emails_failed
+    );
+    if passed == reports.len() && emails_failed == 0 {
         println!(
             "\nexactly once under faults, message by message: every request applied once, every \
-             rejected message dead-lettered once, nothing else."
+             rejected message dead-lettered once, nothing else; every e-mail done or \
+             dead-lettered, called under one idempotency key, never twice at once."
         );
         Ok(())
     } else {

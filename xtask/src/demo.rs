@@ -4,14 +4,20 @@
 //! retrying after a lost ack would (no `Nats-Msg-Id`, so the broker does not dedup), runs two
 //! `credit` processes on one durable consumer, and checks that every balance is exact.
 //!
+//! Then the `email` example (two-phase claims): a few hundred e-mail requests, a third of them
+//! published twice, two `email` processes on one durable consumer calling a local HTTP sink that
+//! answers one call in eight with a 503 and is slow on another; the sink counts calls per
+//! `Idempotency-Key` and the demo prints messages, calls, distinct keys, and the keys called
+//! more than once with why.
+//!
 //! The database is `DATABASE_URL`, else a SQLite file under `target/demo/`. NATS is `NATS_URL`
 //! (default `nats://127.0.0.1:4222`); when nothing answers there, the demo runs a private
 //! `nats-server` with JetStream in a temporary directory and stops it at the end.
 
 use async_nats::jetstream::{self, stream};
 use inbox_testkit::{
-    CreditConfig, CreditProcess, Poll, PrivateNats, backlog, publish_and_wait, remove_sqlite_files,
-    unique,
+    CreditConfig, CreditProcess, EmailConfig, Flaky, Poll, PrivateNats, Sink, backlog,
+    publish_and_wait, remove_sqlite_files, unique, why_again,
 };
 use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
@@ -87,8 +93,11 @@ pub async fn run() -> Result<(), String> {
     .await
     .map_err(|e| format!("cannot create stream {}: {e}", config.stream))?;
 
-    let result = demo_on(&config, &run, &js, &pool, &logs).await;
+    let mut result = demo_on(&config, &run, &js, &pool, &logs).await;
     let _ = js.delete_stream(&config.stream).await;
+    if result.is_ok() {
+        result = email_demo(&config, &run, &js, &pool, &logs).await;
+    }
     pool.close().await;
     drop(private);
     result
@@ -221,6 +230,153 @@ async fn demo_on(
         return Err("applied or skipped counts do not add up".into());
     }
     println!("\nexactly once: every message applied once, every duplicate skipped.");
+    Ok(())
+}
+
+/// E-mail requests in the email part.
+const EMAILS: usize = 300;
+
+/// The email part: two `email` processes, a flaky sink, duplicates; every request called under
+/// one idempotency key, done once.
+async fn email_demo(
+    credit: &CreditConfig,
+    run: &str,
+    js: &jetstream::Context,
+    pool: &AnyPool,
+    logs: &Path,
+) -> Result<(), String> {
+    println!("\n--- two-phase claims: the email example ---");
+    let binary = crate::build_example("email", true)?;
+    let sink = Sink::start().await?;
+    sink.flaky(Some(Flaky {
+        every: 8,
+        fail: 3,
+        slow: 5,
+        slow_for: Duration::from_millis(300),
+    }));
+    let config = EmailConfig {
+        binary,
+        nats_url: credit.nats_url.clone(),
+        database_url: credit.database_url.clone(),
+        stream: format!("EMAILS_DEMO_{run}"),
+        subject: format!("demo.{run}.emails"),
+        consumer: format!("email_demo_{run}"),
+        api_url: sink.url.clone(),
+        lease: Duration::from_secs(2),
+        hold_before_call: Duration::ZERO,
+        concurrency: None,
+        rust_log: "info".into(),
+    };
+    let mut requests = Vec::new();
+    for i in 0..EMAILS {
+        let body = serde_json::json!({
+            "id": format!("email-{run}-{i}"),
+            "to": format!("user{i}@example.com"),
+            "body": "your receipt",
+        });
+        let json = serde_json::to_vec(&body).expect("json");
+        if i % DUPLICATE_EVERY == 0 {
+            requests.push(json.clone());
+        }
+        requests.push(json);
+    }
+    println!(
+        "starting 2 email processes (lease {:?}) calling a local HTTP sink at {} that answers one call in 8 with a 503 ...",
+        config.lease, sink.url
+    );
+    let mut children = Vec::new();
+    for n in 1..=2 {
+        let log = logs.join(format!("email-{n}.log"));
+        let _ = std::fs::remove_file(&log);
+        children.push(config.spawn(Some(&log))?);
+    }
+    // The processes create the stream; publish once it exists.
+    let mut poll = Poll::new("the email stream", DEADLINE);
+    while js.get_stream(&config.stream).await.is_err() {
+        if children.iter_mut().any(CreditProcess::has_exited) {
+            return Err(format!("an email process exited; see {}", logs.display()));
+        }
+        poll.tick().await?;
+    }
+    let published = requests.len();
+    println!(
+        "publishing {published} e-mail requests to {} ({EMAILS} unique, {} re-published copies)...",
+        config.subject,
+        published - EMAILS
+    );
+    publish_and_wait(js, &config.subject, requests).await?;
+    let done_sql = format!(
+        "SELECT count(*) FROM inbox WHERE consumer = 'email' AND processed_at IS NOT NULL \
+         AND message_key LIKE 'email-{run}-%'"
+    );
+    let mut poll = Poll::new("the e-mails to be sent", DEADLINE);
+    let finished = loop {
+        let done: i64 = sqlx::query_scalar(AssertSqlSafe(done_sql.clone()))
+            .fetch_one(pool)
+            .await
+            .unwrap_or(0);
+        let drained = backlog(js, &config.stream, &config.consumer)
+            .await
+            .is_ok_and(|b| b.drained());
+        if done == EMAILS as i64 && drained {
+            break true;
+        }
+        if children.iter_mut().any(CreditProcess::has_exited) || poll.tick().await.is_err() {
+            break false;
+        }
+    };
+    let mut applied = 0;
+    let mut skipped = 0;
+    for child in children {
+        let summary = child.stop(Duration::from_secs(30)).await?;
+        applied += summary.applied;
+        skipped += summary.skipped;
+    }
+    let _ = js.delete_stream(&config.stream).await;
+    if !finished {
+        return Err(format!(
+            "the e-mails were not all sent within {DEADLINE:?} (or a process exited); see {}",
+            logs.display()
+        ));
+    }
+    let by_key = sink.by_key();
+    let calls: usize = by_key.values().map(Vec::len).sum();
+    let mut again: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for calls in by_key.values().filter(|c| c.len() > 1) {
+        *again.entry(why_again(calls)).or_default() += 1;
+    }
+    let overlapping = inbox_testkit::overlaps(&by_key);
+    let succeeded = by_key
+        .values()
+        .filter(|c| c.iter().any(|c| c.status == Some(200)))
+        .count();
+    println!();
+    println!("  messages published          {published:>6}");
+    println!("  unique requests             {EMAILS:>6}");
+    println!("  sent (claims done)          {applied:>6}");
+    println!("  duplicates skipped          {skipped:>6}");
+    println!("  calls to the API            {calls:>6}");
+    println!("  distinct idempotency keys   {:>6}", by_key.len());
+    println!("  keys answered 200           {succeeded:>6}");
+    println!(
+        "  keys called more than once  {:>6}",
+        again.values().sum::<usize>()
+    );
+    for (why, n) in &again {
+        println!("      {n:>4}  {why}");
+    }
+    println!("  overlapping calls for a key {:>6}", overlapping.len());
+    if by_key.len() != EMAILS || succeeded != EMAILS || applied != EMAILS as u64 {
+        return Err("calls, keys and sent e-mails do not add up".into());
+    }
+    if !overlapping.is_empty() || again.contains_key("called again after a success") {
+        return Err(format!(
+            "a key was called twice at once or after a success: {overlapping:?}"
+        ));
+    }
+    println!(
+        "\nonce per key: every request sent under one idempotency key, retried only after a 503, never twice at once."
+    );
     Ok(())
 }
 

@@ -2,6 +2,7 @@
 
 mod bench;
 mod chaos;
+mod chaos_email;
 mod demo;
 mod nats_current;
 mod services;
@@ -25,16 +26,21 @@ tasks:
           markers already in the inbox. Prints a table of medians and ratios; writes
           target/bench/results.{json,md} and chart.svg (--save: also docs/bench/)
   demo    publish a few thousand credits (many duplicated), consume them with two `credit`
-          processes at once, and check that every balance is exact; SQLite under target/
-          unless DATABASE_URL is set, and a private nats-server if none answers at NATS_URL
+          processes at once, and check that every balance is exact; then e-mails through two
+          `email` processes (two-phase claims) to a flaky local HTTP sink, counting calls per
+          idempotency key; SQLite under target/ unless DATABASE_URL is set, and a private
+          nats-server if none answers at NATS_URL
   chaos   [--db postgres|mysql|sqlite|all] [--messages N] [--release] [--nats machine|current]
+          [--run credit|email|all]
           exactly once under faults, audited message by message: three `credit` processes,
           one SIGKILLed every 2 s, one frozen (SIGSTOP) for twice ack_wait then let go, the
           nats-server restarted once, every database connection cut once, the dead-letter
           stream rejecting letters until one is retried, and messages that fail until
           max_deliver; prints a table and fails, naming example ids, unless every request id
           is applied exactly once and every rejected message dead-lettered exactly once;
-          --nats current runs its nats-servers on the current release (see test --nats)
+          then an email run (three `email` processes, SIGKILLs, a sink answering some 503s
+          and some slow calls) audited for one idempotency key per e-mail, no overlapping
+          calls, every e-mail done or dead-lettered; --nats current runs its nats-servers on the current release (see test --nats)
   test    what CI runs: make sure NATS, PostgreSQL and MariaDB answer (starting them if they are
           down), check formatting and clippy, run every test in the workspace, run the behaviour
           tests again batched (see --batched) and on a current nats-server (see --nats), then a
@@ -157,14 +163,47 @@ async fn everything() -> Result<(), String> {
         ],
     )?;
     cargo_step("tests", &["test", "--workspace"])?;
-    batched_tests(&["test", "-p", "inbox-tests"])?;
-    // The same build (the same packages, so no rebuild): the behaviour tests are what talks to
-    // NATS; the unit tests that run again with them are quick.
-    on_current_nats(&["test", "--workspace"]).await?;
-    chaos::run(chaos::Options::short()).await?;
-    let mut on_current = chaos::Options::short();
-    on_current.current_nats = true;
-    chaos::run(on_current).await
+    // Independent of each other from here (private nats-servers, databases of their own), so
+    // side by side: the test passes one after the other on one side (they share cargo's build
+    // directory), the chaos runs on the other, on binaries built now, before cargo is busy.
+    let credit = build_credit(false)?;
+    let email = build_example("email", false)?;
+    // Installed once here, not by the two sides at once.
+    nats_current::binary()?;
+    let chaos = async move {
+        let started = std::time::Instant::now();
+        chaos::run_with(chaos::Options::short(), &credit, &email).await?;
+        let mut on_current = chaos::Options::short();
+        on_current.current_nats = true;
+        chaos::run_with(on_current, &credit, &email).await?;
+        eprintln!("xtask: chaos runs passed in {:?}", started.elapsed());
+        Ok::<(), String>(())
+    };
+    let tests = async {
+        let started = std::time::Instant::now();
+        blocking(|| batched_tests(&["test", "-p", "inbox-tests"])).await?;
+        // The same build (the same packages, so no rebuild): the behaviour tests are what talks
+        // to NATS; the unit tests that run again with them are quick.
+        on_current_nats(&["test", "--workspace"]).await?;
+        eprintln!(
+            "xtask: batched and current-nats test passes passed in {:?}",
+            started.elapsed()
+        );
+        Ok::<(), String>(())
+    };
+    // One task: the test passes wait on blocking threads, so the chaos runs keep going.
+    let (tests, chaos) = tokio::join!(tests, chaos);
+    tests.and(chaos)
+}
+
+/// Runs `step` (a cargo invocation, which blocks) on a blocking thread, so that the chaos runs
+/// beside it keep going.
+async fn blocking(
+    step: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> Result<(), String> {
+    tokio::task::spawn_blocking(step)
+        .await
+        .map_err(|e| format!("a test step panicked: {e}"))?
 }
 
 /// Runs `cargo args` with every worker of the behaviour suite batched (8 messages per
@@ -189,7 +228,18 @@ async fn on_current_nats(args: &[&str]) -> Result<(), String> {
         ("INBOX_TEST_NATS_URL", std::ffi::OsStr::new(&server.url)),
         (inbox_testkit::NATS_SERVER_ENV, binary.as_os_str()),
     ];
-    cargo_step_with(&what, args, &env)
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let env: Vec<(&'static str, std::ffi::OsString)> =
+        env.iter().map(|(k, v)| (*k, v.to_os_string())).collect();
+    let result = blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let env: Vec<(&str, &std::ffi::OsStr)> =
+            env.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
+        cargo_step_with(&what, &args, &env)
+    })
+    .await;
+    drop(server);
+    result
 }
 
 /// The workspace's root directory.
@@ -232,18 +282,16 @@ fn cargo() -> String {
 
 /// Builds the `credit` binary (release or debug) and returns its path.
 fn build_credit(release: bool) -> Result<std::path::PathBuf, String> {
-    let mut build = vec![
-        "build",
-        "--quiet",
-        "-p",
-        "inbox-examples",
-        "--bin",
-        "credit",
-    ];
+    build_example("credit", release)
+}
+
+/// Builds the example binary `bin` (debug, or release) and returns its path.
+fn build_example(bin: &str, release: bool) -> Result<std::path::PathBuf, String> {
+    let mut build = vec!["build", "--quiet", "-p", "inbox-examples", "--bin", bin];
     if release {
         build.push("--release");
     }
-    cargo_step("building credit", &build)?;
+    cargo_step(&format!("building {bin}"), &build)?;
     let profile = if release { "release" } else { "debug" };
-    Ok(workspace_root().join("target").join(profile).join("credit"))
+    Ok(workspace_root().join("target").join(profile).join(bin))
 }

@@ -148,6 +148,10 @@ where
                     // The whole error, the database's message with it, goes to the log; the
                     // dead letter carries our summary of it (see `letter_text`).
                     match v {
+                        // A twin of a key another owner is working on: the usual, not a failure.
+                        Verdict::Nak(_) if matches!(err, ProcessError::ClaimHeld { .. }) => {
+                            tracing::info!(error = %err, "nak until the owner's lease ends");
+                        }
                         Verdict::Nak(_) => tracing::warn!(error = %err, ?class, "processing failed; nak"),
                         _ => tracing::warn!(error = %err, ?class, "processing failed; dead-lettering"),
                     }

@@ -1,8 +1,8 @@
 //! Shapes a handler may take: the key borrows the message (which the body then owns), a shared
 //! state argument, any argument order, `?` in the body, an integer key, no key at all, a
-//! `Result` alias that hides the error type.
+//! `Result` alias that hides the error type, a two-phase (`claim`) handler with state.
 
-use inbox_runtime::{Handler, Tx, idempotent};
+use inbox_runtime::{Claim, Handler, Tx, idempotent};
 use sqlx::Postgres;
 
 #[derive(serde::Deserialize)]
@@ -57,6 +57,15 @@ async fn result_alias(msg: Credit, tx: &mut Tx<Postgres>) -> std::io::Result<()>
     Ok(())
 }
 
+/// Two-phase: the claim in the transaction's place, the state beside it, its own error type.
+#[idempotent(consumer = "credit-claim", key = msg.id, claim)]
+async fn two_phase(cfg: &Config, msg: Credit, claim: &mut Claim<Postgres>) -> Result<(), CreditError> {
+    let _ = (cfg.prefix.len(), msg.seq, claim.idempotency_key());
+    let tx = claim.tx().await?;
+    sqlx::query("SELECT 1").execute(&mut **tx).await?;
+    Ok(())
+}
+
 fn main() {
     let msg = Credit { id: "a".into(), seq: 7 };
     assert_eq!(by_field.key(&msg, &()), Some("a".to_owned()));
@@ -66,4 +75,6 @@ fn main() {
     assert_eq!(transport_key.key(&msg, &()), None);
     assert_eq!(<by_field as Handler>::CONSUMER, "credit");
     let _: Option<<result_alias as Handler>::Error> = None::<std::io::Error>;
+    assert!(<two_phase as Handler>::TWO_PHASE && !<by_field as Handler>::TWO_PHASE);
+    assert_eq!(two_phase.key(&msg, &cfg), Some("a".to_owned()));
 }

@@ -1,0 +1,10 @@
+use inbox_runtime::{Tx, idempotent};
+use sqlx::Postgres;
+
+#[idempotent(consumer = "email", key = msg.id, claim)]
+async fn credit(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg, tx);
+    Ok(())
+}
+
+include!("../uses_credit.rs");
