@@ -1,6 +1,7 @@
 //! A worker refuses, at start and with an error naming the problem, what would break its
 //! guarantees later: a consumer that redelivers forever, acks that are not explicit, a consumer
-//! name that cannot be a subject token, two handlers sharing a consumer name.
+//! name that cannot be a subject token, two handlers sharing a consumer name, a two-phase
+//! handler whose lease is not below `ack_wait`.
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use inbox_runtime::{Handler, Tx, WorkerError, idempotent};
@@ -45,6 +46,16 @@ async fn fine(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error
 #[idempotent(consumer = "fine", key = msg.key)]
 async fn also_fine(msg: Entry, tx: &mut Tx<sqlx::Postgres>) -> Result<(), sqlx::Error> {
     let _ = (msg, tx);
+    Ok(())
+}
+
+/// Two-phase: its lease must be below the consumer's `ack_wait`.
+#[idempotent(consumer = "leased", key = msg.key, claim)]
+async fn leased(
+    msg: Entry,
+    claim: &mut inbox_runtime::Claim<sqlx::Postgres>,
+) -> Result<(), inbox_runtime::BoxError> {
+    let _ = (msg, claim);
     Ok(())
 }
 
@@ -158,5 +169,17 @@ async fn bad_configurations_are_rejected_at_build() {
         db.pool.clone(),
         inbox_runtime::TableName::new("inbox_other").unwrap(),
     );
-    assert!(nats.worker(other, ok).build(also_fine).is_ok());
+    assert!(nats.worker(other, ok.clone()).build(also_fine).is_ok());
+
+    // ack_wait 30 s (the server's default): a lease of 30 s is refused, naming both.
+    let long_lease = inbox.clone().lease(Duration::from_secs(30));
+    let err = refused(nats.worker(long_lease, ok.clone()).build(leased));
+    assert!(
+        matches!(err, WorkerError::LeaseNotBelowAckWait { .. }),
+        "{err}"
+    );
+    let text = err.to_string();
+    assert!(text.contains("30s") && text.contains("ack_wait"), "{text}");
+    let short_lease = inbox.lease(Duration::from_secs(29));
+    assert!(nats.worker(short_lease, ok).build(leased).is_ok());
 }

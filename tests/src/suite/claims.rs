@@ -101,12 +101,19 @@ async fn failing_side_effect_releases_the_lease_and_dead_letters<B: TestBackend>
         .worker(inbox.clone(), consumer)
         .attempts(2)
         .nak_delay(Duration::from_millis(20), Duration::from_millis(50))
+        .sweep(Duration::from_millis(100), Duration::ZERO)
         .build_with_state(B::Remote::default(), remote.clone())
         .unwrap();
     let run = Running::start(&worker);
     nats.publish_all([Entry::new("k", 1, 10).json()]).await;
     wait_until("the dead letter", DEADLINE, || async {
         !nats.dead_letters().await.is_empty()
+    })
+    .await
+    .unwrap();
+    // The sweeper reports the claim left open.
+    wait_until("the sweeper to count the open claim", DEADLINE, || async {
+        worker.stats().open_claims == 1
     })
     .await
     .unwrap();
