@@ -115,11 +115,13 @@ pub(crate) struct ClaimStatements {
     /// Binds consumer, key: (id, done 0/1, ms until lease_until or -1, fence, attempts) of the
     /// marker, locked for update.
     pub state: SqlStr,
-    /// Binds lease seconds, id, fence: takes the claim over (fence + 1, attempts + 1, a new lease).
+    /// Binds lease seconds, id, fence: takes the claim over (fence + 1, attempts + 1, a new lease)
+    /// if its lease has run out (or it has none yet).
     pub take: SqlStr,
     /// Binds lease seconds, id, fence: extends the lease of the claim still held with `fence`.
     pub renew: SqlStr,
-    /// Binds id, fence: marks the claim done, if `fence` still holds it.
+    /// Binds id, fence: marks the claim done, if `fence` still holds it; `received_at` becomes
+    /// the completion time, from which retention counts.
     pub complete: SqlStr,
     /// Binds id, fence: ends the lease now, if `fence` still holds it.
     pub release: SqlStr,
@@ -149,10 +151,13 @@ impl ClaimStatements {
                 DB::FOR_UPDATE
             )),
             take: sql(format!(
-                "UPDATE {table} SET fence = fence + 1, attempts = attempts + 1, lease_until = {}                  WHERE id = {} AND fence = {} AND processed_at IS NULL",
+                "UPDATE {table} SET fence = fence + 1, attempts = attempts + 1, lease_until = {} \
+                 WHERE id = {} AND fence = {} AND processed_at IS NULL \
+                 AND (lease_until IS NULL OR lease_until <= {})",
                 DB::secs_from_now_sql(&p(1)),
                 p(2),
-                p(3)
+                p(3),
+                DB::NOW_SQL
             )),
             renew: sql(format!(
                 "UPDATE {table} SET lease_until = {} WHERE id = {} AND fence = {} AND {open}",
@@ -160,11 +165,15 @@ impl ClaimStatements {
                 p(2),
                 p(3)
             )),
+            // received_at moves to the completion too: retention and the cleanup cutoff, which
+            // read received_at, then count from when the effect was done, as for a marker (a
+            // claim can stay open for days before a replay completes it).
             complete: sql(format!(
-                "UPDATE {table} SET processed_at = {}, lease_until = NULL                  WHERE id = {} AND fence = {} AND {open}",
-                DB::NOW_SQL,
+                "UPDATE {table} SET processed_at = {now}, received_at = {now}, lease_until = NULL \
+                 WHERE id = {} AND fence = {} AND {open}",
                 p(1),
-                p(2)
+                p(2),
+                now = DB::NOW_SQL,
             )),
             release: sql(format!(
                 "UPDATE {table} SET lease_until = {} WHERE id = {} AND fence = {} AND {open}",

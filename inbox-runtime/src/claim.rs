@@ -25,8 +25,8 @@ use crate::store::{Inbox, ProcessError, Stage};
 use sha2::{Digest, Sha256};
 use sqlx::{Pool, SqlStr, Transaction};
 use std::fmt;
-use std::future::Future;
 use std::time::Duration;
+use tokio::time::Instant;
 
 /// How long a two-phase claim's lease lasts by default: see [`Inbox::lease`].
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
@@ -211,8 +211,14 @@ impl<DB: InboxBackend> Inbox<DB> {
             begin: self.sql.begin.clone(),
             tx: None,
         };
+        let renewal = self.keep_renewed(id, fence, lease);
+        tokio::pin!(renewal);
         let body = handler.handle_claimed(message, &mut claim, state);
-        let ran = self.renewing(id, fence, lease, body).await;
+        let ran = tokio::select! {
+            biased;
+            done = body => Ok(done),
+            lost = &mut renewal => Err(lost),
+        };
         match ran {
             Err(Lost) => {
                 guard.armed = false;
@@ -234,7 +240,14 @@ impl<DB: InboxBackend> Inbox<DB> {
             }
             Ok(Ok(())) => {
                 let tx = claim.tx.take();
-                let done = self.complete(tx, H::CONSUMER, key, id, fence).await;
+                // Renewed until phase 2 is over, however long its transaction waits: the fence
+                // decides it, never a lease that ran out on the way.
+                let complete = self.complete(tx, H::CONSUMER, key, id, fence);
+                let done = tokio::select! {
+                    biased;
+                    done = complete => done,
+                    _ = async { (&mut renewal).await; std::future::pending().await } => unreachable!(),
+                };
                 if !matches!(done, Err(ProcessError::Database { .. })) {
                     guard.armed = false;
                 }
@@ -282,9 +295,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             let took = DB::execute_fenced(&mut *tx, sql.take.clone(), Some(secs(lease)), id, fence)
                 .await?;
             Ok(match DB::rows_affected(&took) {
-                // The row is locked by now; a change under us would be a bug, and waiting out
-                // a lease is the safe answer to it.
-                0 => Acquired::Held(lease),
+                // Its lease ends within the millisecond the state rounded away: come back.
+                0 => Acquired::Held(Duration::from_millis(10)),
                 _ => Acquired::Owned {
                     id,
                     fence: fence + 1,
@@ -310,34 +322,44 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
-    /// Runs `body` while renewing the lease every third of it; `Err(Lost)` as soon as a renewal
-    /// finds the claim taken over (the body is dropped: its owner cannot complete anyway).
-    async fn renewing<T>(
-        &self,
-        id: i64,
-        fence: i64,
-        lease: Duration,
-        body: impl Future<Output = T>,
-    ) -> Result<T, Lost> {
-        tokio::pin!(body);
-        let every = (lease / 3).max(Duration::from_millis(10));
-        let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    /// Keeps the lease of claim `id` (held with `fence`) renewed, every quarter of it, for as
+    /// long as it is polled. Resolves to [`Lost`] when a renewal finds the claim taken over, or
+    /// when no renewal has succeeded for (nearly) a lease, the database being unreachable, say:
+    /// the lease may have run out, and another owner may have taken it over. Never resolves
+    /// otherwise. Polled beside the side effect (never in its way: a renewal that waits, for a
+    /// connection or SQLite's write lock, does not hold up the body).
+    async fn keep_renewed(&self, id: i64, fence: i64, lease: Duration) -> Lost {
+        let every = (lease / 4).max(Duration::from_millis(10));
+        // Counted from now, after phase 1 committed, the lease ends a little earlier in the
+        // database: the margin covers that, and the round trip of a renewal.
+        let margin = every / 2;
+        let mut valid_until = Instant::now() + lease.saturating_sub(margin);
         loop {
-            tokio::select! {
-                done = &mut body => return Ok(done),
-                _ = ticks.tick() => {
-                    let renew = self.execute_fenced_on_pool(&self.sql.claims.renew, Some(secs(lease)), id, fence);
-                    match tokio::time::timeout(every, renew).await {
-                        Ok(Ok(0)) => {
-                            tracing::warn!(fence, "the claim was taken over while its side effect ran; giving up");
-                            return Err(Lost);
-                        }
-                        Ok(Ok(_)) => {}
-                        Ok(Err(e)) => tracing::warn!(error = %e, "renewing the claim's lease failed; trying again"),
-                        Err(_) => tracing::warn!("renewing the claim's lease timed out; trying again"),
-                    }
+            let next = (Instant::now() + every).min(valid_until);
+            tokio::time::sleep_until(next).await;
+            let started = Instant::now();
+            if started >= valid_until {
+                tracing::warn!(
+                    fence,
+                    "no renewal of the claim's lease succeeded for a lease; giving up, since another owner may have taken it over"
+                );
+                return Lost;
+            }
+            let renew =
+                self.execute_fenced_on_pool(&self.sql.claims.renew, Some(secs(lease)), id, fence);
+            match tokio::time::timeout(valid_until - started, renew).await {
+                Ok(Ok(0)) => {
+                    tracing::warn!(
+                        fence,
+                        "the claim was taken over while its side effect ran; giving up"
+                    );
+                    return Lost;
                 }
+                Ok(Ok(_)) => valid_until = started + lease.saturating_sub(margin),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "renewing the claim's lease failed; trying again")
+                }
+                Err(_) => tracing::warn!("renewing the claim's lease timed out; trying again"),
             }
         }
     }

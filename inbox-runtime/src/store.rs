@@ -82,7 +82,7 @@ pub enum ProcessError {
     Panicked(String),
     /// Two-phase: the key's claim is held by another owner whose lease runs `remaining` longer.
     /// Redelivered after it (never acked: that owner may still fail, and then this delivery
-    /// takes over); dead-lettered on the last delivery.
+    /// takes over); on the last delivery the worker waits the lease out in process instead.
     #[error("the key's claim is held by another owner for {remaining:?} more")]
     ClaimHeld {
         /// How long the owner's lease still runs.
@@ -158,9 +158,9 @@ impl<DB: InboxBackend> Inbox<DB> {
 
     /// How long a two-phase claim's lease lasts (default 10 s; at least 30 ms): how long a
     /// crashed owner's claim holds its key before a redelivery may take it over. It is renewed
-    /// every third of it while the side effect runs, so a slow side effect keeps its claim; keep it
-    /// below the consumer's `ack_wait` (the worker refuses it otherwise), so that the redelivery
-    /// after a crash finds the lease run out.
+    /// every quarter of it while the side effect runs, so a slow side effect keeps its claim; keep
+    /// it at most two thirds of the consumer's `ack_wait` (the worker refuses it otherwise), so
+    /// that the redelivery after a crash finds the lease run out.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease.max(Duration::from_millis(30));
         self

@@ -1,7 +1,7 @@
 //! A worker refuses, at start and with an error naming the problem, what would break its
 //! guarantees later: a consumer that redelivers forever, acks that are not explicit, a consumer
 //! name that cannot be a subject token, two handlers sharing a consumer name, a two-phase
-//! handler whose lease is not below `ack_wait`.
+//! handler whose lease is over two thirds of `ack_wait`.
 
 use async_nats::jetstream::consumer::{AckPolicy, pull};
 use inbox_runtime::{Handler, Tx, WorkerError, idempotent};
@@ -171,8 +171,8 @@ async fn bad_configurations_are_rejected_at_build() {
     );
     assert!(nats.worker(other, ok.clone()).build(also_fine).is_ok());
 
-    // ack_wait 30 s (the server's default): a lease of 30 s is refused, naming both.
-    let long_lease = inbox.clone().lease(Duration::from_secs(30));
+    // ack_wait 30 s (the server's default): a lease over 20 s is refused, naming both.
+    let long_lease = inbox.clone().lease(Duration::from_millis(20_001));
     let err = refused(nats.worker(long_lease, ok.clone()).build(leased));
     assert!(
         matches!(err, WorkerError::LeaseNotBelowAckWait { .. }),
@@ -180,6 +180,6 @@ async fn bad_configurations_are_rejected_at_build() {
     );
     let text = err.to_string();
     assert!(text.contains("30s") && text.contains("ack_wait"), "{text}");
-    let short_lease = inbox.lease(Duration::from_secs(29));
+    let short_lease = inbox.lease(Duration::from_secs(20));
     assert!(nats.worker(short_lease, ok).build(leased).is_ok());
 }

@@ -58,10 +58,12 @@ pub enum WorkerError {
         /// The consumer's name.
         consumer: String,
     },
-    /// A two-phase handler's lease is not below the consumer's `ack_wait`: after a crash the
-    /// redelivery would find the lease still running and wait it out, spending deliveries.
+    /// A two-phase handler's lease is over two thirds of the consumer's `ack_wait`: progress
+    /// acks go every third of it, so a crash can be redelivered after two thirds of `ack_wait`,
+    /// and the redelivery would find the lease still running and wait it out, spending
+    /// deliveries.
     #[error(
-        "the inbox's claim lease {lease:?} is not below consumer {consumer:?}'s ack_wait {ack_wait:?}; use a shorter Inbox::lease or a longer ack_wait, so that a redelivery after a crash finds the lease run out"
+        "the inbox's claim lease {lease:?} is over two thirds of consumer {consumer:?}'s ack_wait {ack_wait:?}; use a shorter Inbox::lease or a longer ack_wait, so that a redelivery after a crash finds the lease run out"
     )]
     LeaseNotBelowAckWait {
         /// The consumer's name.
@@ -534,12 +536,19 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         if H::TWO_PHASE {
             let ack_wait = ack_wait_of(&info.config);
             let lease = self.inbox.lease_duration();
-            if lease >= ack_wait {
+            // Progress acks go every third of ack_wait, so a crash is redelivered after two
+            // thirds of it at the earliest: the lease, renewed just before, must be over by then.
+            if lease * 3 > ack_wait * 2 {
                 return Err(WorkerError::LeaseNotBelowAckWait {
                     consumer: info.name.clone(),
                     lease,
                     ack_wait,
                 });
+            }
+            // A try may hold a connection for its phase-2 transaction while its lease is
+            // renewed on another: one connection is kept for renewals.
+            if pool_size > 1 {
+                settings.concurrency = settings.concurrency.min(pool_size - 1);
             }
             let (every, older_than) = options.sweep;
             settings.sweep = Some(Sweep {

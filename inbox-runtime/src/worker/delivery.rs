@@ -318,6 +318,19 @@ where
                 Err(_) => ProcessError::Deadline(deadline),
             };
             let class = classify::<H::Db>(&err);
+            // Another owner's claim, on the last delivery: a nak would never come back, so the
+            // owner's lease is waited out here (progress acks keep the message), then tried again:
+            // a Skip once the owner is done, a takeover if it died.
+            if let ProcessError::ClaimHeld { remaining } = &err
+                && delivery.delivered >= self.settings.limits.max_deliver
+            {
+                let wait = *remaining + Duration::from_millis(100);
+                tracing::debug!(retry_in = ?wait, "claim held by another owner on the last delivery; waiting");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err((err, class)),
+                    _ = tokio::time::sleep(wait) => continue,
+                }
+            }
             // A lost connection in the chain may be another database's (a handler's own pool):
             // only when the inbox's database does not answer either is it an outage.
             if is_outage::<H::Db>(&err) && !self.inbox.answers().await {

@@ -5,7 +5,7 @@
 //! - a failing side effect (503) releases the lease at once: every try takes the claim over
 //!   without waiting for the lease, and after `max_deliver` the message is dead-lettered with
 //!   the remote's status; the claim stays open (released) for a replay: the sweeper API lists it,
-//!   and cleanup never deletes it.
+//!   cleanup never deletes it, and a replay completes it, its retention counting from then.
 //!
 //! The process-level cases (SIGKILL before and after the call, a zombie frozen past its lease,
 //! the sweeper and a release after a crash) drive the `email` example in
@@ -96,7 +96,7 @@ async fn failing_side_effect_releases_the_lease_and_dead_letters<B: TestBackend>
     let remote = Remote::default();
     remote.answer(503);
     // Far longer than the whole test: a try that had to wait for it would never come.
-    let inbox = inbox.lease(Duration::from_secs(25));
+    let inbox = inbox.lease(Duration::from_secs(20));
     let worker = nats
         .worker(inbox.clone(), consumer)
         .attempts(2)
@@ -156,6 +156,35 @@ async fn failing_side_effect_releases_the_lease_and_dead_letters<B: TestBackend>
             .len(),
         1
     );
+
+    // A replay of the dead letter, once the remote works: taken over at once and done. Its
+    // retention counts from now, not from the first claim two hours ago.
+    remote.answer(0);
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let worker = nats
+        .worker(inbox.clone(), consumer)
+        .build_with_state(B::Remote::default(), remote.clone())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.publish_all([Entry::new("k", 1, 10).json()]).await;
+    wait_until("the replay to complete the claim", DEADLINE, || async {
+        B::count(
+            &db,
+            "SELECT count(*) FROM inbox WHERE processed_at IS NOT NULL",
+        )
+        .await
+            == 1
+    })
+    .await
+    .unwrap();
+    run.stop().await;
+    assert_eq!(remote.calls().len(), tries + 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
+    let deleted = inbox
+        .cleanup("remote", Duration::from_secs(60), 100)
+        .await
+        .unwrap();
+    assert_eq!(deleted, Some(0), "cleanup deleted a claim just completed");
 }
 
 super::behaviours!(
