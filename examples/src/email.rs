@@ -10,7 +10,7 @@
 //! durable consumer: the claim's lease and fence decide which one calls.
 
 use crate::{
-    ConsumerSpec, Error, RETENTION, StartError, db_start_error, jetstream_consumer, redact,
+    ConsumerSpec, Error, RETENTION, StartError, Vars, db_start_error, jetstream_consumer, redact,
     server_pool, until_up,
 };
 use inbox_runtime::{
@@ -165,19 +165,9 @@ impl EmailConfig {
 
     /// [`EmailConfig::from_env`] over `get`, which looks a variable up.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
-        let var = |name: &str, default: &str| {
-            get(name)
-                .filter(|v| !v.is_empty())
-                .unwrap_or_else(|| default.into())
-        };
-        let number = |name: &str, default: &str, min: u64| {
-            let value = var(name, default);
-            value
-                .parse::<u64>()
-                .ok()
-                .filter(|n| *n >= min)
-                .ok_or_else(|| format!("{name}={value:?} is not a whole number of at least {min}"))
-        };
+        let env = Vars(get);
+        let var = |name: &str, default: &str| env.var(name, default);
+        let number = |name: &str, default: &str, min: u64| env.number(name, default, min);
         let api_url = var("EMAIL_API_URL", "http://127.0.0.1:8025/send");
         match reqwest::Url::parse(&api_url) {
             Ok(u) if u.scheme() == "http" => {}
@@ -197,7 +187,7 @@ impl EmailConfig {
             durable: var("EMAIL_CONSUMER", "email"),
             api_url,
             lease: Duration::from_millis(number("EMAIL_LEASE_MS", "10000", 100)?),
-            concurrency: number("EMAIL_CONCURRENCY", "8", 1)?.min(u32::MAX as u64) as u32,
+            concurrency: number("EMAIL_CONCURRENCY", "8", 1)? as u32,
             hold_before_call: Duration::from_millis(number(
                 "EMAIL_TEST_HOLD_BEFORE_CALL_MS",
                 "0",

@@ -120,6 +120,29 @@ pub async fn create_accounts_sqlite(pool: &SqlitePool) -> Result<(), sqlx::Error
     Ok(())
 }
 
+/// Environment variables as the examples read them, through a lookup (the environment, or a
+/// test's map): empty is unset, and a number that does not parse is an error naming it.
+pub(crate) struct Vars<F>(pub F);
+
+impl<F: Fn(&str) -> Option<String>> Vars<F> {
+    /// `name`'s value, else `default`.
+    pub fn var(&self, name: &str, default: &str) -> String {
+        (self.0)(name)
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| default.into())
+    }
+
+    /// `name`'s value as a whole number of at least `min` (at most `u32::MAX`), else `default`.
+    pub fn number(&self, name: &str, default: &str, min: u64) -> Result<u64, String> {
+        let value = self.var(name, default);
+        value
+            .parse::<u64>()
+            .ok()
+            .filter(|n| *n >= min && *n <= u64::from(u32::MAX))
+            .ok_or_else(|| format!("{name}={value:?} is not a whole number of at least {min}"))
+    }
+}
+
 /// The example's configuration. Its `Debug` shows the URLs with their credentials masked.
 #[derive(Clone, PartialEq, Eq)]
 pub struct Config {
@@ -153,19 +176,9 @@ impl Config {
 
     /// [`Config::from_env`] over `get`, which looks a variable up.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, String> {
-        let var = |name: &str, default: &str| {
-            get(name)
-                .filter(|v| !v.is_empty())
-                .unwrap_or_else(|| default.into())
-        };
-        let count = |name: &str, default: &str| {
-            let value = var(name, default);
-            value
-                .parse::<u32>()
-                .ok()
-                .filter(|n| *n >= 1)
-                .ok_or_else(|| format!("{name}={value:?} is not a whole number of at least 1"))
-        };
+        let env = Vars(get);
+        let var = |name: &str, default: &str| env.var(name, default);
+        let count = |name: &str, default: &str| env.number(name, default, 1).map(|n| n as u32);
         Ok(Config {
             nats_url: var("NATS_URL", "nats://127.0.0.1:4222"),
             database_url: var("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
