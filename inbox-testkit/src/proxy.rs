@@ -71,13 +71,35 @@ impl TcpProxy {
 }
 
 /// Copies both ways between `client` and `server` until either closes, or until the trap
-/// springs: then the client is dropped, and the server's side is held open (its replies unread)
-/// until the proxy is cut.
+/// springs: then the statement goes to the server, and once the server has answered it (so the
+/// statement took effect) the client is dropped without the answer; the server's side is held
+/// open (its replies unread) until the proxy is cut.
 async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Vec<u8>>>>) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
-    let replies = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
+    let losing = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let replies = tokio::spawn({
+        let losing = losing.clone();
+        async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match server_rx.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                if losing.load(std::sync::atomic::Ordering::SeqCst) {
+                    // The answer to the trapped statement: lost. The client sees its connection
+                    // close; the server's side stays open, read and ignored.
+                    drop(client_tx);
+                    while matches!(server_rx.read(&mut buf).await, Ok(n) if n > 0) {}
+                    std::future::pending::<()>().await;
+                    return;
+                }
+                if client_tx.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
     });
     let mut buf = vec![0u8; 64 * 1024];
     loop {
@@ -96,14 +118,10 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
             hit
         };
         if sprung {
-            // Stop the replies before the server can send one, close the client's socket, then
-            // deliver the statement on a server connection that stays open: the server runs it
-            // and answers into the void.
-            replies.abort();
-            let _ = replies.await;
-            drop(client_rx);
+            // Armed before the statement leaves, so that its answer is the one lost.
+            losing.store(true, std::sync::atomic::Ordering::SeqCst);
             if server_tx.write_all(&buf[..n]).await.is_ok() {
-                std::future::pending::<()>().await;
+                let _ = replies.await;
             }
             return;
         }
