@@ -797,14 +797,7 @@ async fn chaos(
     let mut nats = PrivateNats::start_binary(nats_server.to_owned()).await?;
     let db = Database::create(backend, "inbox_chaos_").await?;
     // chaos creates the SQLite file itself (with the accounts table, before any `credit`).
-    let url = match backend {
-        Backend::Sqlite => format!("{}?mode=rwc", db.url),
-        _ => db.url.clone(),
-    };
-    let pool = AnyPoolOptions::new()
-        .max_connections(1)
-        .connect_lazy(&url)
-        .map_err(|e| e.to_string())?;
+    let pool = audit_pool(backend, &db)?;
     let config = CreditConfig {
         binary: credit.to_owned(),
         nats_url: nats.url.clone(),
@@ -849,6 +842,19 @@ async fn chaos(
     pool.close().await;
     db.remove().await?;
     result
+}
+
+/// A pool of one connection on `db`, to watch and audit it, connected when first used; on
+/// SQLite it creates the file if the processes have not yet.
+pub(crate) fn audit_pool(backend: Backend, db: &Database) -> Result<AnyPool, String> {
+    let url = match backend {
+        Backend::Sqlite => format!("{}?mode=rwc", db.url),
+        _ => db.url.clone(),
+    };
+    AnyPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy(&url)
+        .map_err(|e| e.to_string())
 }
 
 /// Creates `accounts` as `credit` would, plus a foreign key to [`OPEN_ACCOUNTS`], which holds

@@ -17,7 +17,6 @@ use inbox_testkit::{
     Backend, CreditProcess, Database, EmailConfig, Flaky, Poll, PrivateNats, Sink, backlog,
     overlaps, publish_and_wait, unique, why_again,
 };
-use sqlx::any::AnyPoolOptions;
 use sqlx::{AnyPool, AssertSqlSafe};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -106,14 +105,7 @@ pub async fn run(
         slow: 4,
         slow_for: LEASE,
     }));
-    let url = match backend {
-        Backend::Sqlite => format!("{}?mode=rwc", db.url),
-        _ => db.url.clone(),
-    };
-    let pool = AnyPoolOptions::new()
-        .max_connections(1)
-        .connect_lazy(&url)
-        .map_err(|e| e.to_string())?;
+    let pool = crate::chaos::audit_pool(backend, &db)?;
     let config = EmailConfig {
         binary: email.to_owned(),
         nats_url: nats.url.clone(),
