@@ -321,6 +321,9 @@ where
             // Another owner's claim, on the last delivery: a nak would never come back, so the
             // owner's lease is waited out here (progress acks keep the message), then tried again:
             // a Skip once the owner is done, a takeover if it died.
+            if matches!(err, ProcessError::ClaimHeld { .. }) {
+                self.counters.held.fetch_add(1, Ordering::Relaxed);
+            }
             if let ProcessError::ClaimHeld { remaining } = &err
                 && delivery.delivered >= self.settings.limits.max_deliver
             {

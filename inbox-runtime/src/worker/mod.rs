@@ -44,6 +44,9 @@ pub struct Stats {
     pub terminated: u64,
     /// Two-phase handlers: claims found open past the sweeper's threshold at its last look.
     pub open_claims: u64,
+    /// Two-phase handlers: tries that found the key's claim held by another owner's live lease
+    /// (nak'd until it ends; on the last delivery, waited out).
+    pub held: u64,
 }
 
 /// Counters of what a worker did, by outcome.
@@ -54,6 +57,7 @@ struct Counters {
     nacked: AtomicU64,
     terminated: AtomicU64,
     open_claims: AtomicU64,
+    held: AtomicU64,
 }
 
 /// A JetStream consumer processing messages through an [`Inbox`] with one handler. Cheap to
@@ -159,6 +163,7 @@ impl<H: Handler> Worker<H> {
             nacked: c.nacked.load(Ordering::Relaxed),
             terminated: c.terminated.load(Ordering::Relaxed),
             open_claims: c.open_claims.load(Ordering::Relaxed),
+            held: c.held.load(Ordering::Relaxed),
         }
     }
 }

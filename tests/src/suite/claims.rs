@@ -2,6 +2,8 @@
 //! ([`Remote`]) that counts calls per idempotency key:
 //! - two instances race on one key while the owner's call is held past its lease: one call; the
 //!   twin is nak'd (never acked) while the owner renews its lease, then skipped;
+//! - a twin meeting the held claim on its last delivery waits the lease out in process (a nak
+//!   would never come back), and is skipped once the owner is done;
 //! - a failing side effect (503) releases the lease at once: every try takes the claim over
 //!   without waiting for the lease, and after `max_deliver` the message is dead-lettered with
 //!   the remote's status; the claim stays open (released) for a replay: the sweeper API lists it,
@@ -86,6 +88,64 @@ async fn racing_twins_make_one_call<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
     let done = "SELECT count(*) FROM inbox WHERE processed_at IS NOT NULL AND fence = 1";
     assert_eq!(B::count(&db, done).await, 1);
+}
+
+/// The test.
+async fn held_claim_on_the_last_delivery_is_waited_out<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    // One delivery each: the twin's first is its last, where a nak would never come back.
+    let consumer = nats
+        .js
+        .get_stream(&nats.stream)
+        .await
+        .unwrap()
+        .get_or_create_consumer(
+            "c",
+            async_nats::jetstream::consumer::pull::Config {
+                durable_name: Some("c".into()),
+                ack_wait: Duration::from_secs(30),
+                max_deliver: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let remote = Remote::default();
+    remote.hold();
+    let worker = nats
+        .worker(inbox.lease(Duration::from_secs(2)), consumer)
+        .build_with_state(B::Remote::default(), remote.clone())
+        .unwrap();
+    let run = Running::start(&worker);
+    let entry = Entry::new("k", 1, 10);
+    nats.publish_all([entry.json(), entry.json()]).await;
+    tokio::time::timeout(DEADLINE, remote.entered())
+        .await
+        .expect("the owner's call");
+    // The twin has met the held claim on its last delivery: it waits, neither dead-lettered nor
+    // nak'd into oblivion.
+    wait_until("the twin to meet the held claim", DEADLINE, || async {
+        worker.stats().held >= 1
+    })
+    .await
+    .unwrap();
+    remote.release();
+    wait_until(
+        "the owner to finish and the twin to be skipped",
+        DEADLINE,
+        || async {
+            let s = worker.stats();
+            s.acked == 1 && s.skipped == 1
+        },
+    )
+    .await
+    .unwrap();
+    let stats = run.stop().await;
+    assert_eq!((stats.terminated, stats.nacked), (0, 0), "{stats:?}");
+    assert!(nats.dead_letters().await.is_empty());
+    assert_eq!(remote.calls().len(), 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
 }
 
 /// The test.
@@ -189,5 +249,6 @@ async fn failing_side_effect_releases_the_lease_and_dead_letters<B: TestBackend>
 
 super::behaviours!(
     racing_twins_make_one_call,
+    held_claim_on_the_last_delivery_is_waited_out,
     failing_side_effect_releases_the_lease_and_dead_letters,
 );
