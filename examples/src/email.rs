@@ -3,10 +3,9 @@
 //! `Idempotency-Key` header it is given (the same for every delivery, retry and takeover).
 //!
 //! For each message `{"id", "to", "body"}` it POSTs `{"to", "body"}` to `EMAIL_API_URL` with
-//! `Idempotency-Key: <Claim::idempotency_key>`. A 2xx is success; a 5xx, a timeout, a
-//! connection error, or a 408, 409, 425 or 429 ("not now") is transient (retried, then
-//! redelivered; dead-lettered at `max_deliver`); any other status is permanent (dead-lettered at
-//! once). Several processes may run on one
+//! `Idempotency-Key: <Claim::idempotency_key>`. A 2xx is success; a 5xx, a timeout or a
+//! connection error is transient (retried, then redelivered; dead-lettered at `max_deliver`);
+//! any other status is permanent (dead-lettered at once). Several processes may run on one
 //! durable consumer: the claim's lease and fence decide which one calls.
 
 use crate::{
@@ -62,8 +61,8 @@ impl Api {
         })
     }
 
-    /// Sends `msg` with `idempotency_key`: `Ok` on a 2xx; a 5xx, 408, 409, 425, 429, timeout or
-    /// connection error marked [`Transient`]; any other status [`Permanent`].
+    /// Sends `msg` with `idempotency_key`: `Ok` on a 2xx; a 5xx, timeout or connection error
+    /// marked [`Transient`]; any other status [`Permanent`].
     pub async fn send(&self, msg: &EmailRequested, idempotency_key: &str) -> Result<(), BoxError> {
         if !self.hold_before_call.is_zero() {
             tokio::time::sleep(self.hold_before_call).await;
@@ -89,10 +88,9 @@ impl Api {
             status: status.as_u16(),
             body,
         };
-        // 408 (timeout), 409 (the same idempotency key still in flight, as Stripe answers),
-        // 425 and 429 say "not now": tried again like a 5xx.
-        let again = status.is_server_error() || matches!(status.as_u16(), 408 | 409 | 425 | 429);
-        Err(if again {
+        // The example's contract: a 5xx is transient, any other status permanent. (An API that
+        // answers 409 or 429 for "not now", as some do, would want those retried too.)
+        Err(if status.is_server_error() {
             Transient::new(err).into()
         } else {
             Permanent::new(err).into()
