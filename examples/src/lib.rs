@@ -5,6 +5,7 @@
 //! the environment (see [`Config::from_env`], [`email::EmailConfig::from_env`]).
 
 pub mod email;
+pub mod orders;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
@@ -486,16 +487,9 @@ impl Serve<'_> {
     }
 }
 
-/// The `main` of an example binary named `name`: logs (scrubbed of `secrets`) to stderr at
-/// `RUST_LOG` (default `info`), a panic's message scrubbed too, SIGINT and SIGTERM cancelling the
-/// token `consume` runs until, and on success one machine-readable line on stdout for scripts
-/// such as `cargo xtask demo`: `<name> stopped: applied=N skipped=N nacked=N terminated=N`.
-pub async fn main_loop(
-    name: &'static str,
-    secrets: redact::Secrets,
-    consume: impl AsyncFnOnce(CancellationToken) -> Result<Stats, Error>,
-) -> std::process::ExitCode {
-    use tokio::signal::unix::{SignalKind, signal};
+/// Logs (scrubbed of `secrets`) to stderr at `RUST_LOG` (default `info`), and a panic's message
+/// scrubbed too, for the example binary `name`.
+pub fn init_logs(name: &'static str, secrets: &redact::Secrets) {
     use tracing_subscriber::EnvFilter;
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -507,6 +501,19 @@ pub async fn main_loop(
     std::panic::set_hook(Box::new(move |panic| {
         eprintln!("{name}: {}", on_panic.scrub(&panic.to_string()));
     }));
+}
+
+/// The `main` of an example binary named `name`: logs (scrubbed of `secrets`) to stderr at
+/// `RUST_LOG` (default `info`), a panic's message scrubbed too, SIGINT and SIGTERM cancelling the
+/// token `consume` runs until, and on success one machine-readable line on stdout for scripts
+/// such as `cargo xtask demo`: `<name> stopped: applied=N skipped=N nacked=N terminated=N`.
+pub async fn main_loop(
+    name: &'static str,
+    secrets: redact::Secrets,
+    consume: impl AsyncFnOnce(CancellationToken) -> Result<Stats, Error>,
+) -> std::process::ExitCode {
+    use tokio::signal::unix::{SignalKind, signal};
+    init_logs(name, &secrets);
 
     let shutdown = CancellationToken::new();
     let on_signal = shutdown.clone();

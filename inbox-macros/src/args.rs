@@ -7,13 +7,13 @@ mod kw {
     syn::custom_keyword!(consumer);
     syn::custom_keyword!(key);
     syn::custom_keyword!(claim);
+    syn::custom_keyword!(codec);
 }
 
 /// The longest consumer name the inbox table's `consumer` column holds.
 pub const MAX_CONSUMER_LEN: usize = 200;
 
-const VALID: &str =
-    "valid arguments are `consumer = \"...\"`, `key = <expression>` and `claim` (two-phase)";
+const VALID: &str = "valid arguments are `consumer = \"...\"`, `key = <expression>`, `codec = <type>` (default `Json`) and `claim` (two-phase)";
 
 /// The arguments as written, each at most once.
 pub struct Args {
@@ -21,6 +21,8 @@ pub struct Args {
     pub key: Option<Expr>,
     /// `claim`: a two-phase handler, for side effects outside the database.
     pub claim: Option<proc_macro2::Span>,
+    /// `codec = Raw`: how the payload decodes (default `::inbox_runtime::Json`).
+    pub codec: Option<syn::Type>,
     /// Mistakes in arguments that still parsed (unknown, repeated, a value where none goes):
     /// reported with the signature's, which is checked against what was meant.
     pub errors: Option<syn::Error>,
@@ -32,6 +34,7 @@ impl Parse for Args {
             consumer: None,
             key: None,
             claim: None,
+            codec: None,
             errors: None,
         };
         let mut errors: Option<syn::Error> = None;
@@ -58,6 +61,15 @@ impl Parse for Args {
                     push(syn::Error::new(name.span, "`key` set multiple times"));
                 } else {
                     args.key = Some(value);
+                }
+            } else if lookahead.peek(kw::codec) {
+                let name = input.parse::<kw::codec>()?;
+                input.parse::<Token![=]>()?;
+                let value: syn::Type = input.parse()?;
+                if args.codec.is_some() {
+                    push(syn::Error::new(name.span, "`codec` set multiple times"));
+                } else {
+                    args.codec = Some(value);
                 }
             } else if lookahead.peek(kw::claim) {
                 let name = input.parse::<kw::claim>()?;

@@ -20,6 +20,7 @@ pub fn expand(h: &Handler) -> TokenStream {
     let msg_var = format_ident!("__inbox_msg");
     let tx_var = format_ident!("__inbox_tx");
     let state_var = format_ident!("__inbox_state");
+    let delivery_var = format_ident!("__inbox_delivery");
 
     let (state_ty, state_bind) = match &h.state {
         Some(p) => {
@@ -33,21 +34,35 @@ pub fn expand(h: &Handler) -> TokenStream {
         None => (quote!(()), quote!(let _ = #state_var;)),
     };
 
-    // The key expression sees the message (and the state) by reference, so `key = msg.id` reads
-    // the field without moving it out of the message the body receives afterwards.
+    let delivery_bind = match &h.delivery {
+        Some(p) => {
+            let pat = &p.pat;
+            quote!(#[allow(unused_variables, unused_mut)] let #pat = #delivery_var;)
+        }
+        None => quote!(let _ = #delivery_var;),
+    };
+
+    // The key expression sees the message (and the delivery and state) by reference, so
+    // `key = msg.id` reads the field without moving it out of the message the body receives
+    // afterwards.
     let key_body = match &h.key {
         Some(expr) => {
             let pat = &h.message.pat;
+            let text = expression_text(expr);
             quote_spanned! {expr.span()=>
                 #[allow(unused_variables, unused_mut)]
                 let #pat = #msg_var;
                 #state_bind
-                ::core::option::Option::Some(#rt::key_of(&(#expr)))
+                #delivery_bind
+                ::core::result::Result::map(
+                    #rt::key_of(&(#expr), #text),
+                    ::core::option::Option::Some,
+                )
             }
         }
         None => quote! {
-            let _ = (#msg_var, #state_var);
-            ::core::option::Option::None
+            let _ = (#msg_var, #state_var, #delivery_var);
+            ::core::result::Result::Ok(::core::option::Option::None)
         },
     };
 
@@ -56,6 +71,9 @@ pub fn expand(h: &Handler) -> TokenStream {
     call_args[h.tx.index] = quote!(#tx_var);
     if let Some(s) = &h.state {
         call_args[s.index] = quote!(#state_var);
+    }
+    if let Some(d) = &h.delivery {
+        call_args[d.index] = quote!(#delivery_var);
     }
 
     // The shape `Result<(), E>` is checked once, by the compiler through the runtime's
@@ -74,6 +92,7 @@ pub fn expand(h: &Handler) -> TokenStream {
         state: state_ty,
         error: error_ty,
         consumer: quote!(#consumer),
+        codec: codec_of(h.codec.as_ref()),
     };
     let handle_body = quote! {
         #returns_unit
@@ -97,7 +116,7 @@ pub fn expand(h: &Handler) -> TokenStream {
             }
         };
         let never = quote! {
-            let _ = (__inbox_msg, __inbox_tx, __inbox_state);
+            let _ = (__inbox_msg, __inbox_delivery, __inbox_tx, __inbox_state);
             async move {
                 ::core::unreachable!("a two-phase handler runs through Handler::handle_claimed")
             }
@@ -108,6 +127,7 @@ pub fn expand(h: &Handler) -> TokenStream {
             fn handle_claimed<'__a>(
                 &'__a self,
                 __inbox_msg: Self::Message,
+                __inbox_delivery: &'__a #rt::Delivery,
                 __inbox_claim: &'__a mut #rt::Claim<Self::Db>,
                 __inbox_state: &'__a Self::State,
             ) -> impl ::core::future::Future<
@@ -126,6 +146,28 @@ pub fn expand(h: &Handler) -> TokenStream {
     }
 }
 
+/// `expr` as a user would write it, for error messages: the tokens without the spaces printing
+/// puts around `.`, `::` and brackets (`delivery.header("Idempotency-Key")`).
+fn expression_text(expr: &syn::Expr) -> String {
+    let mut text = quote!(#expr).to_string();
+    for (spaced, tight) in [
+        (" . ", "."),
+        (" :: ", "::"),
+        (" (", "("),
+        ("( ", "("),
+        (" )", ")"),
+        (" [", "["),
+        ("[ ", "["),
+        (" ]", "]"),
+        (" ,", ","),
+        ("& ", "&"),
+        (" !", "!"),
+    ] {
+        text = text.replace(spaced, tight);
+    }
+    text
+}
+
 /// A statement that compiles only when `ret` is `Result<(), E>`, reported once, on `ret`.
 pub fn returns_unit_check(ret: &Type) -> TokenStream {
     let rt = quote!(::inbox_runtime::__private);
@@ -142,10 +184,20 @@ pub struct ImplTypes {
     pub state: TokenStream,
     pub error: TokenStream,
     pub consumer: TokenStream,
+    pub codec: TokenStream,
+}
+
+/// The codec type: as given with `codec = ..`, else JSON.
+pub fn codec_of(codec: Option<&Type>) -> TokenStream {
+    match codec {
+        Some(ty) => quote!(#ty),
+        None => quote!(::inbox_runtime::__private::Json),
+    }
 }
 
 /// The `impl Handler` that both the expansion and the fallback emit, around their `key` and
-/// `handle` bodies. The bodies see the arguments as `__inbox_msg`, `__inbox_tx`, `__inbox_state`.
+/// `handle` bodies. The bodies see the arguments as `__inbox_msg`, `__inbox_delivery`,
+/// `__inbox_tx`, `__inbox_state`.
 pub fn handler_impl(
     name: &syn::Ident,
     types: &ImplTypes,
@@ -160,6 +212,7 @@ pub fn handler_impl(
         state,
         error,
         consumer,
+        codec,
     } = types;
     quote! {
         #[automatically_derived]
@@ -168,6 +221,7 @@ pub fn handler_impl(
             type Message = #message;
             type State = #state;
             type Error = #error;
+            type Codec = #codec;
 
             const CONSUMER: &'static str = #consumer;
 
@@ -175,14 +229,19 @@ pub fn handler_impl(
             fn key(
                 &self,
                 __inbox_msg: &Self::Message,
+                __inbox_delivery: &#rt::Delivery,
                 __inbox_state: &Self::State,
-            ) -> ::core::option::Option<::std::string::String> {
+            ) -> ::core::result::Result<
+                ::core::option::Option<::std::string::String>,
+                #rt::KeyError,
+            > {
                 #key_body
             }
 
             fn handle<'__a, '__c>(
                 &'__a self,
                 __inbox_msg: Self::Message,
+                __inbox_delivery: &'__a #rt::Delivery,
                 __inbox_tx: &'__a mut #rt::Transaction<'__c, Self::Db>,
                 __inbox_state: &'__a Self::State,
             ) -> impl ::core::future::Future<

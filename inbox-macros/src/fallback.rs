@@ -4,7 +4,7 @@
 //! an error of its own.
 
 use crate::expand::{
-    ImplTypes, explicit_mut_ref_lifetimes, handler_impl, returns_unit_check, unit_struct,
+    ImplTypes, codec_of, explicit_mut_ref_lifetimes, handler_impl, returns_unit_check, unit_struct,
 };
 use crate::validate::{Invalid, Types};
 use proc_macro2::TokenStream;
@@ -73,8 +73,9 @@ fn stub_impl(name: &syn::Ident, invalid: &Invalid, types: &Types) -> TokenStream
         state: state_ty,
         error: error_ty,
         consumer,
+        codec: codec_of(types.codec.as_ref()),
     };
-    let key_body = quote!(::core::option::Option::None);
+    let key_body = quote!(::core::result::Result::Ok(::core::option::Option::None));
     let handle_body = quote! {
         #returns_unit
         async { ::core::unreachable!() }

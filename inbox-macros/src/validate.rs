@@ -25,6 +25,10 @@ pub struct Handler {
     /// The database type named in the transaction argument (`Postgres` in `&mut Tx<Postgres>`).
     pub db: Type,
     pub state: Option<Param>,
+    /// The `&Delivery` argument, when the handler takes one.
+    pub delivery: Option<Param>,
+    /// `codec = ..`, when given.
+    pub codec: Option<Type>,
     pub ret: Type,
     pub arity: usize,
     /// Two-phase (`claim`): `tx` is then the `&mut Claim<DB>` argument.
@@ -57,6 +61,8 @@ pub struct Types {
     pub state: Option<Type>,
     /// The declared return type when it is a `Result`; `None` when it is missing or not one.
     pub ret: Option<Type>,
+    /// `codec = ..`, when given.
+    pub codec: Option<Type>,
 }
 
 #[derive(Default)]
@@ -83,7 +89,7 @@ const TX_HINT: &str = "add a transaction argument such as `tx: &mut Tx<Postgres>
 pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<Invalid>> {
     let mut errors = Errors::default();
     let sig = &func.sig;
-    let (consumer, key, claim) = match args {
+    let (consumer, key, claim, codec) = match args {
         Ok(args) => {
             if let Some(e) = args.errors {
                 errors.add(e);
@@ -92,11 +98,12 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
                 check_consumer(args.consumer, &mut errors),
                 args.key,
                 args.claim,
+                args.codec,
             )
         }
         Err(e) => {
             errors.add(e);
-            (None, None, None)
+            (None, None, None, None)
         }
     };
 
@@ -116,6 +123,7 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
     let mut message: Option<Param> = None;
     let mut tx: Option<(Param, Option<Type>)> = None;
     let mut state: Option<Param> = None;
+    let mut delivery: Option<Param> = None;
     for (index, input) in sig.inputs.iter().enumerate() {
         let arg = match input {
             FnArg::Receiver(r) => {
@@ -159,11 +167,22 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
                 };
                 tx = Some((param, db));
             }
+            Type::Reference(r) if is_delivery(&r.elem) => {
+                if delivery.is_some() {
+                    errors.push(arg.span(), "only one `&Delivery` argument is allowed");
+                    continue;
+                }
+                delivery = Some(Param {
+                    index,
+                    pat: arg.pat.clone(),
+                    ty: (*r.elem).clone(),
+                });
+            }
             Type::Reference(r) => {
                 if state.is_some() {
                     errors.push(
                         arg.span(),
-                        "only one `&` argument is allowed: the handler's shared state",
+                        "only one `&` argument besides `&Delivery` is allowed: the handler's shared state",
                     );
                     continue;
                 }
@@ -233,6 +252,7 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
                 message: message.ty,
                 state: state.map(|s| s.ty),
                 ret,
+                codec,
             }),
             _ => None,
         };
@@ -255,6 +275,8 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
         tx,
         db: db.expect("checked above"),
         state,
+        delivery,
+        codec,
         ret: ret.expect("checked above"),
         func,
         claim: claim.is_some(),
@@ -303,6 +325,11 @@ fn check_consumer(consumer: Option<LitStr>, errors: &mut Errors) -> Option<LitSt
 /// Whether `ty` is a path ending in `Claim`: `Claim<Postgres>`, `inbox_runtime::Claim<DB>`.
 pub fn is_claim(ty: &Type) -> bool {
     matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Claim"))
+}
+
+/// Whether `ty` is a path ending in `Delivery`: `Delivery`, `inbox_runtime::Delivery`.
+pub fn is_delivery(ty: &Type) -> bool {
+    matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Delivery" && s.arguments.is_none()))
 }
 
 /// The last type argument of the last path segment: `Postgres` in `Tx<Postgres>`,

@@ -19,6 +19,7 @@
 use crate::backend::sealed::Claim;
 use crate::backend::{self, InboxBackend};
 use crate::classify::{ErrorClass, classify};
+use crate::delivery::Delivery;
 use crate::handler::{Handler, Outcome};
 use crate::store::{Inbox, ProcessError};
 use futures::FutureExt;
@@ -44,7 +45,8 @@ enum Failed {
 }
 
 impl<DB: InboxBackend> Inbox<DB> {
-    /// Processes a batch in one transaction: `decoded[i]` is the message keyed `keys[i]`, and
+    /// Processes a batch in one transaction: `decoded[i]` is the message keyed `keys[i]`,
+    /// delivered as `deliveries[i]`, and
     /// `message(i)` decodes it again for a second try (only after a failure). Keys must be in
     /// the order the claims are to take (sorted, so that batches of several instances lock
     /// markers in one order). Returns how each message ended, in order.
@@ -53,18 +55,23 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         state: &H::State,
         keys: &[&str],
+        deliveries: &[&Delivery],
         decoded: Vec<H::Message>,
         message: impl Fn(usize) -> Option<H::Message>,
     ) -> Vec<Batched>
     where
         H: Handler<Db = DB>,
     {
-        let culprit = match self.batch_lean(handler, state, keys, decoded).await {
+        if deliveries.len() != keys.len() {
+            return vec![Batched::Alone; keys.len()];
+        }
+        let lean = self.batch_lean(handler, state, keys, deliveries, decoded);
+        let culprit = match lean.await {
             Ok(done) => return done,
             Err(Failed::Whole) => return vec![Batched::Alone; keys.len()],
             Err(Failed::OneMessage(culprit)) => culprit,
         };
-        self.batch_with_savepoints(handler, state, keys, culprit, &message)
+        self.batch_with_savepoints(handler, state, keys, deliveries, culprit, &message)
             .await
             .unwrap_or_else(|_| vec![Batched::Alone; keys.len()])
     }
@@ -75,6 +82,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         state: &H::State,
         keys: &[&str],
+        deliveries: &[&Delivery],
         decoded: Vec<H::Message>,
     ) -> Result<Vec<Batched>, Failed>
     where
@@ -118,7 +126,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 done.push(Batched::Done(Outcome::Skip));
                 continue;
             };
-            let handled = AssertUnwindSafe(handler.handle(decoded, &mut tx, state))
+            let handled = AssertUnwindSafe(handler.handle(decoded, deliveries[i], &mut tx, state))
                 .catch_unwind()
                 .await;
             match handled {
@@ -163,6 +171,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         state: &H::State,
         keys: &[&str],
+        deliveries: &[&Delivery],
         culprit: Option<usize>,
         message: &impl Fn(usize) -> Option<H::Message>,
     ) -> Result<Vec<Batched>, Failed>
@@ -184,10 +193,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             let mut savepoint = sqlx::Connection::begin(&mut *tx)
                 .await
                 .map_err(|_| Failed::Whole)?;
-            let processed =
-                AssertUnwindSafe(self.process_in(&mut savepoint, handler, state, decoded, key))
-                    .catch_unwind()
-                    .await;
+            let one = self.process_in(&mut savepoint, handler, state, decoded, deliveries[i], key);
+            let processed = AssertUnwindSafe(one).catch_unwind().await;
             match processed {
                 Ok(Ok(Outcome::Ack)) => {
                     savepoint.commit().await.map_err(|_| Failed::Whole)?;

@@ -187,6 +187,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         state: &H::State,
         message: H::Message,
+        delivery: &crate::Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
         let lease = self.lease_duration();
@@ -213,7 +214,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         };
         let renewal = self.keep_renewed(id, fence, lease);
         tokio::pin!(renewal);
-        let body = handler.handle_claimed(message, &mut claim, state);
+        let body = handler.handle_claimed(message, delivery, &mut claim, state);
         let ran = tokio::select! {
             biased;
             done = body => Ok(done),

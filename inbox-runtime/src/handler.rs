@@ -2,6 +2,8 @@
 
 use crate::backend::InboxBackend;
 use crate::claim::Claim;
+use crate::delivery::{Codec, Delivery};
+use crate::key::KeyError;
 use sqlx::Transaction;
 use std::future::Future;
 
@@ -19,7 +21,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// # Example
 /// Written by hand (what the macro generates for you):
 /// ```
-/// use inbox_runtime::{Handler, Transaction};
+/// use inbox_runtime::{Delivery, Handler, Json, KeyError, Transaction};
 /// use sqlx::Postgres;
 ///
 /// struct Credit;
@@ -31,13 +33,15 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 ///     type Message = CreditRequested;
 ///     type State = ();
 ///     type Error = sqlx::Error;
+///     type Codec = Json;
 ///     const CONSUMER: &'static str = "credit";
-///     fn key(&self, msg: &CreditRequested, _: &()) -> Option<String> {
-///         Some(msg.id.clone())
+///     fn key(&self, msg: &CreditRequested, _: &Delivery, _: &()) -> Result<Option<String>, KeyError> {
+///         Ok(Some(msg.id.clone()))
 ///     }
 ///     fn handle<'a, 'c>(
 ///         &'a self,
 ///         msg: CreditRequested,
+///         _: &'a Delivery,
 ///         tx: &'a mut Transaction<'c, Postgres>,
 ///         _: &'a (),
 ///     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
@@ -61,13 +65,22 @@ pub trait Handler: Send + Sync + 'static {
     type State: Send + Sync + 'static;
     /// The handler's own error.
     type Error: Into<BoxError> + Send + 'static;
+    /// How the payload decodes into [`Handler::Message`]: [`Json`](crate::Json) unless the
+    /// attribute says `codec = ..`.
+    type Codec: Codec<Self::Message>;
 
     /// The consumer name under which markers are stored (`inbox.consumer`).
     const CONSUMER: &'static str;
 
-    /// The message's dedup key, computed from a borrow of the message before the body runs;
-    /// `None` means "use the transport's id" (JetStream: `Nats-Msg-Id`, else `stream:sequence`).
-    fn key(&self, message: &Self::Message, state: &Self::State) -> Option<String>;
+    /// The message's dedup key, computed from borrows of the message and its delivery before the
+    /// body runs; `Ok(None)` means "use the transport's id" (JetStream: `Nats-Msg-Id`, else
+    /// `stream:sequence`), an error that the message has no usable key (permanent).
+    fn key(
+        &self,
+        message: &Self::Message,
+        delivery: &Delivery,
+        state: &Self::State,
+    ) -> Result<Option<String>, KeyError>;
 
     /// Whether this is a two-phase handler (`#[idempotent(.., claim)]`), for side effects
     /// outside the database: the runtime then claims the key with a lease and commits, calls
@@ -80,6 +93,7 @@ pub trait Handler: Send + Sync + 'static {
     fn handle<'a, 'c>(
         &'a self,
         message: Self::Message,
+        delivery: &'a Delivery,
         tx: &'a mut Transaction<'c, Self::Db>,
         state: &'a Self::State,
     ) -> impl Future<Output = Result<(), Self::Error>> + Send + 'a;
@@ -91,12 +105,15 @@ pub trait Handler: Send + Sync + 'static {
     fn handle_claimed<'a>(
         &'a self,
         message: Self::Message,
+        delivery: &'a Delivery,
         claim: &'a mut Claim<Self::Db>,
         state: &'a Self::State,
     ) -> impl Future<Output = Result<(), BoxError>> + Send + 'a {
         async move {
             let tx = claim.tx().await?;
-            self.handle(message, tx, state).await.map_err(Into::into)
+            self.handle(message, delivery, tx, state)
+                .await
+                .map_err(Into::into)
         }
     }
 }

@@ -7,13 +7,22 @@ use std::sync::Arc;
 /// The longest key the inbox table's `message_key` column holds, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
 
-/// A value usable as a message key: strings, integers and (feature `uuid`) `Uuid`.
+/// A value usable as a message key: strings, integers and (feature `uuid`) `Uuid`; a `key`
+/// expression may also give an `Option` of one (`delivery.header("Idempotency-Key")`), whose
+/// `None` is a permanent error naming the expression.
+///
+/// A composite key is a string: `key = format!("{}:{}", msg.tenant, msg.id)`.
 ///
 /// ```
 /// use inbox_runtime::ToMessageKey;
 /// assert_eq!(42u64.to_message_key(), "42");
 /// assert_eq!("order-7".to_message_key(), "order-7");
 /// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a message key",
+    label = "the `key` expression gives a `{Self}`",
+    note = "keys are strings, integers or `Uuid` (feature `uuid`), or an `Option` of one; make a composite key a string: `key = format!(\"{{}}:{{}}\", msg.tenant, msg.id)`, or implement `inbox_runtime::ToMessageKey` for the type"
+)]
 pub trait ToMessageKey {
     /// The key as stored in `inbox.message_key`.
     fn to_message_key(&self) -> String;
@@ -86,6 +95,10 @@ pub enum KeyError {
     /// backend, so that a key means the same on all of them.
     #[error("the message key contains a NUL byte")]
     Nul,
+    /// The `key` expression gave `None`: the message lacks what its key is made of (a header,
+    /// an optional field).
+    #[error("the key expression `{0}` gave None: the message has no key")]
+    Absent(&'static str),
     /// The handler has no `key` and the message carries no transport id.
     #[error("no message key: the handler has no `key` and the message has no transport id")]
     Missing,
@@ -104,16 +117,44 @@ pub fn validate_key(key: &str) -> Result<(), KeyError> {
     }
 }
 
+/// What a `key` expression may evaluate to: a [`ToMessageKey`] value, or an `Option` of one.
+/// Not public API: the code `#[idempotent]` generates goes through it.
+#[doc(hidden)]
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be a message key",
+    label = "the `key` expression gives a `{Self}`",
+    note = "keys are strings, integers or `Uuid` (feature `uuid`), or an `Option` of one; make a composite key a string: `key = format!(\"{{}}:{{}}\", msg.tenant, msg.id)`, or implement `inbox_runtime::ToMessageKey` for the type"
+)]
+pub trait KeyOf {
+    /// The key, or why there is none; `expr` is the expression as written.
+    fn key_of(&self, expr: &'static str) -> Result<String, KeyError>;
+}
+
+impl<T: ToMessageKey + ?Sized> KeyOf for T {
+    fn key_of(&self, _: &'static str) -> Result<String, KeyError> {
+        Ok(self.to_message_key())
+    }
+}
+
+impl<T: ToMessageKey> KeyOf for Option<T> {
+    fn key_of(&self, expr: &'static str) -> Result<String, KeyError> {
+        match self {
+            Some(key) => Ok(key.to_message_key()),
+            None => Err(KeyError::Absent(expr)),
+        }
+    }
+}
+
 /// The message's key: the handler's `key` expression, else the transport id; validated.
 pub(crate) fn message_key<H: crate::Handler>(
     handler: &H,
     state: &H::State,
     message: &H::Message,
-    transport_id: Option<&str>,
+    delivery: &crate::Delivery,
 ) -> Result<String, KeyError> {
-    let key = match handler.key(message, state) {
+    let key = match handler.key(message, delivery, state)? {
         Some(k) => k,
-        None => transport_id.ok_or(KeyError::Missing)?.to_owned(),
+        None => delivery.msg_id().ok_or(KeyError::Missing)?.to_owned(),
     };
     validate_key(&key)?;
     Ok(key)

@@ -6,7 +6,7 @@
 //! skipped; a concurrent twin waits on the marker's row lock and then skips.
 //!
 //! ```no_run
-//! use inbox_runtime::{Inbox, Tx, WorkerBuilder, idempotent};
+//! use inbox_runtime::{Delivery, Inbox, Tx, WorkerBuilder, idempotent};
 //! use sqlx::Postgres;
 //!
 //! #[derive(serde::Deserialize)]
@@ -29,7 +29,7 @@
 //!
 //! // Without NATS: pool and message in, Ack or Skip out.
 //! let msg = CreditRequested { id: "m-1".into(), account: 1, amount: 5 };
-//! let outcome = inbox.process(&credit, &(), msg, None).await?;
+//! let outcome = inbox.process(&credit, &(), msg, &Delivery::new("credits")).await?;
 //!
 //! // On a JetStream durable pull consumer:
 //! let js = async_nats::jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
@@ -39,17 +39,20 @@
 //! # Ok(()) }
 //! ```
 
+mod app;
 mod backend;
 mod backoff;
 mod batch;
 mod claim;
 mod classify;
 mod cleanup;
+mod delivery;
 mod handler;
 mod key;
 mod store;
 mod worker;
 
+pub use app::{App, AppError, AppStats, Durable, recommended_consumer};
 #[cfg(feature = "sqlite")]
 pub use backend::sqlite_options;
 pub use backend::{InboxBackend, InvalidTableName, TableName, is_transient};
@@ -57,11 +60,21 @@ pub use backoff::Backoff;
 pub use claim::{Claim, DEFAULT_LEASE, OpenClaim, idempotency_key};
 pub use classify::{ErrorClass, Permanent, Transient, classify};
 pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
+#[cfg(feature = "msgpack")]
+pub use delivery::MsgPack;
+pub use delivery::{Codec, Delivery, Json, Raw};
 pub use handler::{BoxError, Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
+
+/// The `sqlx` this crate is built with: name its types (`inbox_runtime::sqlx::PgPool`) without
+/// a dependency of your own at exactly this version.
+pub use sqlx;
+
+/// The `async_nats` this crate is built with, for the same reason.
+pub use async_nats;
 pub use store::{DEFAULT_LOCK_TIMEOUT, Inbox, ProcessError, Stage};
 pub use worker::{
-    AckMode, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, Stats, Worker,
+    AckMode, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, NoState, Stats, Worker,
     WorkerBuilder, WorkerError, process_delivery, transport_id,
 };
 
@@ -118,8 +131,11 @@ pub mod __private {
     pub use crate::handler::{BoxError, Handler, HandlerResult, ReturnsUnit};
     pub use sqlx::Transaction;
 
-    /// The key expression's value as stored.
-    pub fn key_of<K: crate::ToMessageKey + ?Sized>(key: &K) -> String {
-        key.to_message_key()
+    pub use crate::delivery::{Delivery, Json};
+    pub use crate::key::{KeyError, KeyOf};
+
+    /// The key expression's value as stored; `expr` is the expression as written.
+    pub fn key_of<K: KeyOf + ?Sized>(key: &K, expr: &'static str) -> Result<String, KeyError> {
+        key.key_of(expr)
     }
 }

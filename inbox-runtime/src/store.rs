@@ -4,6 +4,7 @@
 use crate::backend::sealed::Claim;
 use crate::backend::{self, InboxBackend, Statements, TableName};
 use crate::backoff::Backoff;
+use crate::delivery::Delivery;
 use crate::handler::{BoxError, Handler, Outcome};
 use crate::key::{KeyError, message_key};
 use sqlx::{Pool, Transaction};
@@ -42,12 +43,14 @@ impl fmt::Display for Stage {
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
     /// The payload does not decode as the handler's message type. Permanent.
-    #[error("payload does not decode as {ty}: {source}")]
+    #[error("payload does not decode as {ty} ({codec}): {source}")]
     Decode {
         /// The expected message type.
         ty: &'static str,
+        /// The codec's name ([`Codec::NAME`](crate::Codec::NAME)).
+        codec: &'static str,
         /// The decoder's error.
-        source: serde_json::Error,
+        source: BoxError,
     },
     /// The key is empty, too long or missing. Permanent.
     #[error(transparent)]
@@ -234,17 +237,19 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// is new, runs the handler and commits both. Returns [`Outcome::Skip`] for a duplicate, in
     /// which case the handler did not run.
     ///
-    /// `transport_id` is the key when the handler has no `key` expression.
+    /// `delivery` is what the handler and its `key` expression see of the message's transport:
+    /// in a test, [`Delivery::new`](crate::Delivery::new) with the headers the case needs. Its
+    /// `Nats-Msg-Id` is the key when the handler has no `key` expression.
     pub async fn process<H: Handler<Db = DB>>(
         &self,
         handler: &H,
         state: &H::State,
         message: H::Message,
-        transport_id: Option<&str>,
+        delivery: &Delivery,
     ) -> Result<Outcome, ProcessError> {
-        let key = message_key(handler, state, &message, transport_id)?;
+        let key = message_key(handler, state, &message, delivery)?;
         let span = tracing::debug_span!("inbox.tx", consumer = H::CONSUMER, key = %key);
-        self.process_keyed(handler, state, message, &key)
+        self.process_keyed(handler, state, message, delivery, &key)
             .instrument(span)
             .await
     }
@@ -255,10 +260,13 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         state: &H::State,
         message: H::Message,
+        delivery: &Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
         if H::TWO_PHASE {
-            return self.process_claimed(handler, state, message, key).await;
+            return self
+                .process_claimed(handler, state, message, delivery, key)
+                .await;
         }
         let mut tx = DB::begin(&self.pool, self.sql.begin.clone())
             .await
@@ -266,7 +274,10 @@ impl<DB: InboxBackend> Inbox<DB> {
                 stage: Stage::Begin,
                 source,
             })?;
-        match self.process_in(&mut tx, handler, state, message, key).await {
+        let processed = self
+            .process_in(&mut tx, handler, state, message, delivery, key)
+            .await;
+        match processed {
             Ok(Outcome::Ack) => match tx.commit().await {
                 Ok(()) => Ok(Outcome::Ack),
                 Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
@@ -380,6 +391,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         handler: &H,
         state: &H::State,
         message: H::Message,
+        delivery: &Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
         if H::TWO_PHASE {
@@ -395,7 +407,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             return Ok(Outcome::Skip);
         };
         handler
-            .handle(message, tx, state)
+            .handle(message, delivery, tx, state)
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
         // processed_at says when the effect was done; it commits with the effect or not at all.

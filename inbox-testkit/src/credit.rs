@@ -144,7 +144,7 @@ impl CreditProcess {
     }
 
     /// Starts `binary` (the example `name`) with `env`, its log appended to `log`.
-    fn spawn_with(
+    pub fn spawn_with(
         name: &'static str,
         binary: &Path,
         env: &[(&str, String)],

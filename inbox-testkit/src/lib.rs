@@ -28,7 +28,7 @@ pub use credit::{CreditConfig, CreditProcess, EmailConfig, Summary};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
-    publish_acked, publish_and_wait,
+    publish_acked, publish_and_wait, publish_raw,
 };
 pub use proxy::TcpProxy;
 pub use sink::{Flaky, Sink, SinkCall, overlaps, why_again};

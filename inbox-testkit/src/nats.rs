@@ -269,3 +269,61 @@ pub async fn backlog(
         ack_pending: info.num_ack_pending,
     })
 }
+
+/// Publishes `payload` to `subject` with `headers` over the NATS wire protocol itself (`HPUB`),
+/// as a producer in another language writes it: header names exactly as given (nats-py sends its
+/// dict's keys as written, Go's `nats.Header` canonicalises them, the `nats` CLI passes what it
+/// is told), no `Nats-Msg-Id` unless given. Waits for the server's `PONG`, so that the message
+/// has been processed by the server (and stored, for a stream's subject) when this returns.
+pub async fn publish_raw(
+    url: &str,
+    subject: &str,
+    headers: &[(&str, &str)],
+    payload: &[u8],
+) -> Result<(), String> {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+    let address = url.trim_start_matches("nats://");
+    let stream = tokio::net::TcpStream::connect(address)
+        .await
+        .map_err(|e| format!("NATS at {address} is not reachable: {e}"))?;
+    let mut reader = BufReader::new(stream);
+    let mut line = String::new();
+    reader
+        .read_line(&mut line)
+        .await
+        .map_err(|e| format!("NATS INFO: {e}"))?;
+    if !line.starts_with("INFO ") {
+        return Err(format!("NATS at {address} sent {line:?} instead of INFO"));
+    }
+    let mut head = String::from("NATS/1.0\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    let mut frame = format!(
+        "CONNECT {{\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}}\r\nHPUB {subject} {} {}\r\n{head}",
+        head.len(),
+        head.len() + payload.len()
+    )
+    .into_bytes();
+    frame.extend_from_slice(payload);
+    frame.extend_from_slice(b"\r\nPING\r\n");
+    reader
+        .get_mut()
+        .write_all(&frame)
+        .await
+        .map_err(|e| format!("NATS HPUB: {e}"))?;
+    loop {
+        line.clear();
+        let n = reader
+            .read_line(&mut line)
+            .await
+            .map_err(|e| format!("NATS PONG: {e}"))?;
+        match line.trim_end() {
+            _ if n == 0 => return Err("NATS closed the connection before PONG".into()),
+            "PONG" => return Ok(()),
+            l if l.starts_with("-ERR") => return Err(format!("NATS refused the HPUB: {l}")),
+            _ => {}
+        }
+    }
+}

@@ -25,7 +25,12 @@ async fn lost_commit_reply_is_looked_up<B: TestBackend>() {
     });
     let probe = Probe::open();
     let outcome = inbox
-        .process(&B::Ledger::default(), &probe, Entry::new("k", 1, 1), None)
+        .process(
+            &B::Ledger::default(),
+            &probe,
+            Entry::new("k", 1, 1),
+            &inbox_runtime::Delivery::default(),
+        )
         .await;
     assert!(proxy.trap_sprung(), "the COMMIT went through the proxy");
     assert_eq!(

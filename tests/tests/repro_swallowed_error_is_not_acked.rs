@@ -33,7 +33,12 @@ async fn postgres_swallowed_error_is_not_acked() {
         amount: 5,
     };
     let err = inbox
-        .process(&swallows_an_error, &(), entry, None)
+        .process(
+            &swallows_an_error,
+            &(),
+            entry,
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .expect_err("an aborted transaction must not be reported as committed");
     assert!(

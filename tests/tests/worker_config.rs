@@ -20,15 +20,22 @@ impl Handler for BadlyNamed {
     type Message = Entry;
     type State = ();
     type Error = sqlx::Error;
+    type Codec = inbox_runtime::Json;
     const CONSUMER: &'static str = "bad name";
 
-    fn key(&self, msg: &Entry, _: &()) -> Option<String> {
-        Some(msg.key.clone())
+    fn key(
+        &self,
+        msg: &Entry,
+        _: &inbox_runtime::Delivery,
+        _: &(),
+    ) -> Result<Option<String>, inbox_runtime::KeyError> {
+        Ok(Some(msg.key.clone()))
     }
 
     fn handle<'a, 'c>(
         &'a self,
         _: Entry,
+        _: &'a inbox_runtime::Delivery,
         _: &'a mut inbox_runtime::Transaction<'c, sqlx::Postgres>,
         _: &'a (),
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {

@@ -4,12 +4,12 @@
 //! whole failed, is served alone, exactly as without batching (retries, nak, dead letter).
 
 use super::Inner;
-use super::delivery::{Delivery, with_progress};
+use super::delivery::with_progress;
 use super::verdict::Verdict;
 use crate::batch::Batched;
+use crate::delivery::Delivery;
 use crate::handler::{Handler, Outcome};
 use async_nats::jetstream::message::Message;
-use serde::de::DeserializeOwned;
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -21,7 +21,6 @@ pub(super) type Waiting = (Message, Option<OwnedSemaphorePermit>);
 impl<H> Inner<H>
 where
     H: Handler,
-    H::Message: DeserializeOwned,
 {
     /// Processes `batch` and answers each of its deliveries; those served alone run on `tasks`.
     pub(super) async fn serve_batch(
@@ -61,9 +60,15 @@ where
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         // Decoded once; again only for the second try after a failure.
         let decode = |i: usize| super::delivery::decode::<H>(&deliveries[i].1).ok();
-        let work = self
-            .inbox
-            .process_batch(&self.handler, &self.state, &key_refs, decoded, decode);
+        let delivery_refs: Vec<&Delivery> = deliveries.iter().map(|(d, _, _)| d).collect();
+        let work = self.inbox.process_batch(
+            &self.handler,
+            &self.state,
+            &key_refs,
+            &delivery_refs,
+            decoded,
+            decode,
+        );
         let deadline = self.settings.deadline;
         let every = self.settings.progress_every;
         let messages: Vec<&Message> = deliveries.iter().map(|(_, m, _)| m).collect();

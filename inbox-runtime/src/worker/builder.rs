@@ -14,7 +14,6 @@ use crate::handler::Handler;
 use crate::store::Inbox;
 use async_nats::jetstream::consumer::{self, AckPolicy, PullConsumer};
 use async_nats::jetstream::{self, stream};
-use serde::de::DeserializeOwned;
 use std::any::TypeId;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -355,6 +354,23 @@ fn is_subject_token(name: &str) -> bool {
             .all(|b| b.is_ascii_graphic() && !matches!(b, b'.' | b'*' | b'>'))
 }
 
+/// The state of a handler that takes none: `()`. What [`WorkerBuilder::build`] and
+/// [`App::handler`](crate::App::handler) ask of a handler, so that a handler taking `&State`
+/// passed to them is told to use the `_with_state` form.
+#[diagnostic::on_unimplemented(
+    message = "this handler takes state `&{Self}`: register it with its state",
+    label = "the handler's state is `{Self}`",
+    note = "use `build_with_state(handler, state)` (or `App::handler_with_state`), passing the `{Self}` every call borrows"
+)]
+pub trait NoState: Sized {
+    /// The value: `()`.
+    fn none() -> Self;
+}
+
+impl NoState for () {
+    fn none() -> Self {}
+}
+
 /// Builds a [`Worker`]: `WorkerBuilder::new(inbox, &js, consumer).concurrency(8).build(handler)`.
 #[derive(Debug)]
 pub struct WorkerBuilder<DB: InboxBackend> {
@@ -376,6 +392,11 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             options: Options::default(),
             cleanup_stream: None,
         }
+    }
+
+    /// The concurrency asked for with [`WorkerBuilder::concurrency`], if any.
+    pub(crate) fn asked_concurrency(&self) -> Option<usize> {
+        self.options.concurrency
     }
 
     /// At most `n` messages in flight. Capped at the pool's `max_connections` and the consumer's
@@ -508,20 +529,20 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
-    /// A worker for `handler`, whose state is `()`.
+    /// A worker for `handler`, which takes no state (else
+    /// [`build_with_state`](Self::build_with_state)).
     pub fn build<H>(self, handler: H) -> Result<Worker<H>, WorkerError>
     where
-        H: Handler<Db = DB, State = ()>,
-        H::Message: DeserializeOwned,
+        H: Handler<Db = DB>,
+        H::State: NoState,
     {
-        self.build_with_state(handler, ())
+        self.build_with_state(handler, H::State::none())
     }
 
     /// A worker for `handler`, with the state passed to every call.
     pub fn build_with_state<H>(self, handler: H, state: H::State) -> Result<Worker<H>, WorkerError>
     where
         H: Handler<Db = DB>,
-        H::Message: DeserializeOwned,
     {
         claim_consumer_name::<H>(self.inbox.table())?;
         let info = self.consumer.cached_info();

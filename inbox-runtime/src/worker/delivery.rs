@@ -8,13 +8,13 @@ use super::verdict::{Verdict, retry_in_process, verdict};
 use super::{AckMode, Inner};
 use crate::backoff::Backoff;
 use crate::classify::{ErrorClass, classify, is_outage};
+use crate::delivery::{Codec, Delivery};
 use crate::handler::{Handler, Outcome};
 use crate::key::{KeyError, validate_key};
 use crate::store::{Inbox, ProcessError};
 use async_nats::jetstream::AckKind;
-use async_nats::jetstream::message::{Info, Message};
+use async_nats::jetstream::message::Message;
 use futures::FutureExt;
-use serde::de::DeserializeOwned;
 use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -24,32 +24,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
-/// Where a delivery came from, as the dead letter and the logs name it.
-pub(super) struct Delivery {
-    /// The producer's `Nats-Msg-Id`, unless absent or empty.
-    msg_id: Option<String>,
-    stream: String,
-    stream_seq: u64,
-    delivered: i64,
-}
-
 impl Delivery {
-    pub(super) fn of(message: &Message, info: &Info<'_>) -> Delivery {
-        Delivery {
-            msg_id: message
-                .headers
-                .as_ref()
-                .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-                .map(|v| v.as_str())
-                // Some producers send the header empty: that is no id, not the id "".
-                .filter(|id| !id.is_empty())
-                .map(str::to_owned),
-            stream: info.stream.to_owned(),
-            stream_seq: info.stream_sequence,
-            delivered: info.delivered,
-        }
-    }
-
     /// The transport id: the `Nats-Msg-Id`, else `"{stream}:{created}:{stream_sequence}"`, the
     /// same for every redelivery of the stored message. A stream's sequences start again at 1
     /// when it is deleted and created again, so its creation time (Unix nanoseconds) tells its
@@ -111,7 +86,6 @@ impl StreamCreated {
 impl<H> Inner<H>
 where
     H: Handler,
-    H::Message: DeserializeOwned,
 {
     /// Processes one delivery and answers JetStream according to the verdict; the permit (none
     /// for a last delivery that arrived while stopping) is released when it is done.
@@ -366,7 +340,7 @@ where
         delivery: &Delivery,
     ) -> Result<(H::Message, String), ProcessError> {
         let decoded = decode::<H>(message)?;
-        let explicit = self.handler.key(&decoded, &self.state);
+        let explicit = self.handler.key(&decoded, delivery, &self.state)?;
         let key = key_of(explicit, message, delivery, &self.stream_created).await?;
         Ok((decoded, key))
     }
@@ -383,11 +357,11 @@ where
         // The transaction is dropped while unwinding, which rolls it back.
         AssertUnwindSafe(async {
             let decoded = decode::<H>(message)?;
-            let explicit = self.handler.key(&decoded, &self.state);
+            let explicit = self.handler.key(&decoded, delivery, &self.state)?;
             let key = key_of(explicit, message, delivery, &self.stream_created).await?;
             tracing::Span::current().record("key", key.as_str());
             self.inbox
-                .process_keyed(&self.handler, &self.state, decoded, &key)
+                .process_keyed(&self.handler, &self.state, decoded, delivery, &key)
                 .await
         })
         .catch_unwind()
@@ -459,15 +433,14 @@ pub async fn transport_id(message: &Message) -> Result<String, ProcessError> {
         .await
 }
 
-/// Decodes the payload as JSON.
-pub(super) fn decode<H>(message: &Message) -> Result<H::Message, ProcessError>
-where
-    H: Handler,
-    H::Message: DeserializeOwned,
-{
-    serde_json::from_slice(&message.payload).map_err(|source| ProcessError::Decode {
-        ty: std::any::type_name::<H::Message>(),
-        source,
+/// Decodes the payload with the handler's codec.
+pub(super) fn decode<H: Handler>(message: &Message) -> Result<H::Message, ProcessError> {
+    <H::Codec as Codec<H::Message>>::decode(&message.payload).map_err(|source| {
+        ProcessError::Decode {
+            ty: std::any::type_name::<H::Message>(),
+            codec: <H::Codec as Codec<H::Message>>::NAME,
+            source,
+        }
     })
 }
 
@@ -497,13 +470,14 @@ pub async fn process_delivery<H>(
 ) -> Result<Outcome, ProcessError>
 where
     H: Handler,
-    H::Message: DeserializeOwned,
 {
     let info = message.info().map_err(|_| KeyError::Missing)?;
     let delivery = Delivery::of(message, &info);
     let decoded = decode::<H>(message)?;
     let created = StreamCreated::default();
-    let explicit = handler.key(&decoded, state);
+    let explicit = handler.key(&decoded, &delivery, state)?;
     let key = key_of(explicit, message, &delivery, &created).await?;
-    inbox.process_keyed(handler, state, decoded, &key).await
+    inbox
+        .process_keyed(handler, state, decoded, &delivery, &key)
+        .await
 }

@@ -15,7 +15,7 @@ mod delivery;
 mod pull;
 mod verdict;
 
-pub use builder::{AckMode, DEFAULT_DEADLINE, WorkerBuilder, WorkerError};
+pub use builder::{AckMode, DEFAULT_DEADLINE, NoState, WorkerBuilder, WorkerError};
 pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
 pub use delivery::{process_delivery, transport_id};
 
@@ -25,7 +25,6 @@ use crate::store::Inbox;
 use async_nats::jetstream::consumer::PullConsumer;
 use builder::Settings;
 use dead_letter::DeadLetters;
-use serde::de::DeserializeOwned;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio_util::sync::CancellationToken;
@@ -171,7 +170,6 @@ impl<H: Handler> Worker<H> {
 impl<H> Worker<H>
 where
     H: Handler,
-    H::Message: DeserializeOwned,
 {
     /// Pulls and processes messages until `shutdown` is cancelled, then stops pulling, naks what
     /// was fetched but not started, lets in-flight messages finish and ack, flushes, and returns

@@ -20,7 +20,6 @@ use async_nats::StatusCode;
 use async_nats::jetstream::consumer::pull::BatchConfig;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use serde::de::DeserializeOwned;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -111,7 +110,6 @@ impl Open {
 pub(super) async fn run<H>(inner: &Arc<Inner<H>>, shutdown: &CancellationToken, tasks: &TaskTracker)
 where
     H: Handler,
-    H::Message: DeserializeOwned,
 {
     let concurrency = inner.settings.concurrency;
     let permits = Arc::new(Semaphore::new(concurrency));
@@ -161,7 +159,6 @@ struct Session<'a, H: Handler> {
 impl<H> Session<'_, H>
 where
     H: Handler,
-    H::Message: DeserializeOwned,
 {
     /// Pulls until shutdown (`Ok`) or until the subscription or a request fails (`Err`).
     async fn pull(&mut self) -> Result<(), String> {

@@ -315,7 +315,11 @@ mod tests {
     #[test]
     fn poison_payload_is_dead_lettered_at_once() {
         let source = serde_json::from_slice::<u32>(b"{ not json").unwrap_err();
-        let err = ProcessError::Decode { ty: "u32", source };
+        let err = ProcessError::Decode {
+            ty: "u32",
+            codec: "JSON",
+            source: source.into(),
+        };
         let (v, tries) = hears(err, 1, &limits());
         assert!(is_dead_letter(&v), "{v:?}");
         assert_eq!(tries, 1);

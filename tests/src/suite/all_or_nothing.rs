@@ -18,7 +18,12 @@ fn overdraw() -> Entry {
 async fn check_violation_rolls_back_the_marker<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let err = inbox
-        .process(&B::Credit::default(), &(), overdraw(), None)
+        .process(
+            &B::Credit::default(),
+            &(),
+            overdraw(),
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap_err();
     let ProcessError::Handler(source) = &err else {

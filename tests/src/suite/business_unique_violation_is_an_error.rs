@@ -16,11 +16,19 @@ async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() {
     };
     let payment = B::Payment::default();
     assert_eq!(
-        inbox.process(&payment, &(), first, None).await.unwrap(),
+        inbox
+            .process(&payment, &(), first, &inbox_runtime::Delivery::default())
+            .await
+            .unwrap(),
         Outcome::Ack
     );
     let err = inbox
-        .process(&payment, &(), same_reference, None)
+        .process(
+            &payment,
+            &(),
+            same_reference,
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap_err();
     let ProcessError::Handler(source) = &err else {

@@ -15,7 +15,14 @@ async fn cleanup_deletes_only_old_finished_markers<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     for key in ["old-1", "old-2", "old-3", "new-1", "new-2"] {
         let entry = Entry::new(key, 1, 1);
-        let outcome = inbox.process(&B::Credit::default(), &(), entry, None).await;
+        let outcome = inbox
+            .process(
+                &B::Credit::default(),
+                &(),
+                entry,
+                &inbox_runtime::Delivery::default(),
+            )
+            .await;
         assert_eq!(outcome.unwrap(), Outcome::Ack);
     }
     // An open claim (a two-phase claim whose side effect is still running), also old.
@@ -57,7 +64,12 @@ async fn cleanup_runs_one_instance_at_a_time<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let entry = Entry::new("old", 1, 1);
     inbox
-        .process(&B::Credit::default(), &(), entry, None)
+        .process(
+            &B::Credit::default(),
+            &(),
+            entry,
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap();
     B::backdate(&db, "old").await;
@@ -110,7 +122,12 @@ async fn repro_cancelled_cleanup_keeps_the_lock<B: TestBackend>() {
     let (db, inbox) = setup::<B>(3).await;
     let entry = Entry::new("old", 1, 1);
     inbox
-        .process(&B::Credit::default(), &(), entry, None)
+        .process(
+            &B::Credit::default(),
+            &(),
+            entry,
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap();
     B::backdate(&db, "old").await;
@@ -184,7 +201,12 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
     let retention = Duration::from_secs(1);
     let clock = Entry::new("clock", 1, 1);
     inbox
-        .process(&B::Credit::default(), &(), clock, None)
+        .process(
+            &B::Credit::default(),
+            &(),
+            clock,
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap();
     wait_until(

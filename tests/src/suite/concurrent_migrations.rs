@@ -19,7 +19,12 @@ async fn instances_migrating_together_all_succeed<B: TestBackend>() {
     let inbox = Inbox::new(db.pool.clone());
     let entry = crate::handlers::Entry::new("k", 1, 1);
     let outcome = inbox
-        .process(&B::Credit::default(), &(), entry, None)
+        .process(
+            &B::Credit::default(),
+            &(),
+            entry,
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap();
     assert_eq!(outcome, Outcome::Ack);
@@ -47,7 +52,14 @@ async fn repro_interrupted_migration_blocks_every_restart<B: TestBackend>() {
     let dirty = "SELECT count(*) FROM _inbox_migrations WHERE success = FALSE";
     assert_eq!(B::count(&db, dirty).await, 0);
     let entry = crate::handlers::Entry::new("k", 1, 1);
-    let outcome = inbox.process(&B::Credit::default(), &(), entry, None).await;
+    let outcome = inbox
+        .process(
+            &B::Credit::default(),
+            &(),
+            entry,
+            &inbox_runtime::Delivery::default(),
+        )
+        .await;
     assert_eq!(outcome.unwrap(), Outcome::Ack);
 }
 

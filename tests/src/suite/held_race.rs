@@ -33,7 +33,12 @@ pub(super) async fn start<B: TestBackend>(a_fails: bool) -> HeldRace<B> {
         let (inbox, entry) = (inbox.clone(), entry.clone());
         tokio::spawn(async move {
             inbox
-                .process(&B::Ledger::default(), &probe, entry, None)
+                .process(
+                    &B::Ledger::default(),
+                    &probe,
+                    entry,
+                    &inbox_runtime::Delivery::default(),
+                )
                 .await
         })
     };

@@ -13,13 +13,23 @@ async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     let entry = |key: String| Entry::new(key, 1, 1);
 
     let err = inbox
-        .process(&ledger, &probe, entry(String::new()), None)
+        .process(
+            &ledger,
+            &probe,
+            entry(String::new()),
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap_err();
     assert!(matches!(err, ProcessError::Key(KeyError::Empty)), "{err:?}");
     assert_eq!(classify::<B::Db>(&err), ErrorClass::Permanent);
     let err = inbox
-        .process(&ledger, &probe, entry("é".repeat(128)), None)
+        .process(
+            &ledger,
+            &probe,
+            entry("é".repeat(128)),
+            &inbox_runtime::Delivery::default(),
+        )
         .await
         .unwrap_err();
     assert!(
@@ -31,7 +41,12 @@ async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
     assert_eq!(longest.len(), 255);
     assert_eq!(
         inbox
-            .process(&ledger, &probe, entry(longest), None)
+            .process(
+                &ledger,
+                &probe,
+                entry(longest),
+                &inbox_runtime::Delivery::default()
+            )
             .await
             .unwrap(),
         Outcome::Ack
@@ -42,7 +57,7 @@ async fn empty_long_and_missing_keys_are_rejected<B: TestBackend>() {
             &B::LedgerByTransportId::default(),
             &(),
             entry("a".into()),
-            None,
+            &inbox_runtime::Delivery::default(),
         )
         .await
         .unwrap_err();
@@ -65,7 +80,7 @@ async fn repro_nul_in_key_differs_by_backend<B: TestBackend>() {
             &B::Ledger::default(),
             &probe,
             Entry::new("a\0b", 1, 1),
-            None,
+            &inbox_runtime::Delivery::default(),
         )
         .await
         .unwrap_err();

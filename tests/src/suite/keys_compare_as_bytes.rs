@@ -16,14 +16,24 @@ async fn repro_keys_differing_by_trailing_spaces_collide<B: TestBackend>() {
     let keys = ["k", "k ", "k  ", "K", "\u{e9}", "e\u{301}"];
     for key in keys {
         let outcome = inbox
-            .process(&ledger, &probe, Entry::new(key, 1, 1), None)
+            .process(
+                &ledger,
+                &probe,
+                Entry::new(key, 1, 1),
+                &inbox_runtime::Delivery::default(),
+            )
             .await
             .unwrap_or_else(|e| panic!("{key:?}: {e}"));
         assert_eq!(outcome, Outcome::Ack, "{key:?} was taken for another key");
     }
     for key in keys {
         let outcome = inbox
-            .process(&ledger, &probe, Entry::new(key, 1, 1), None)
+            .process(
+                &ledger,
+                &probe,
+                Entry::new(key, 1, 1),
+                &inbox_runtime::Delivery::default(),
+            )
             .await
             .unwrap();
         assert_eq!(outcome, Outcome::Skip, "{key:?} again");

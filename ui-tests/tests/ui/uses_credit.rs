@@ -19,7 +19,9 @@ async fn process(
     inbox: inbox_runtime::Inbox<Db>,
     msg: Credit,
 ) -> Result<inbox_runtime::Outcome, inbox_runtime::ProcessError> {
-    inbox.process(&credit, &(), msg, None).await
+    inbox
+        .process(&credit, &(), msg, &inbox_runtime::Delivery::new("credits"))
+        .await
 }
 
 fn main() {

@@ -1,8 +1,10 @@
 //! Shapes a handler may take: the key borrows the message (which the body then owns), a shared
 //! state argument, any argument order, `?` in the body, an integer key, no key at all, a
-//! `Result` alias that hides the error type, a two-phase (`claim`) handler with state.
+//! `Result` alias that hides the error type, a two-phase (`claim`) handler with state, a key from
+//! a header of the `&Delivery`, raw payloads (`codec = Raw`), and a helper that takes the
+//! transaction as `&mut Tx<'_, DB>`.
 
-use inbox_runtime::{Claim, Handler, Tx, idempotent};
+use inbox_runtime::{Claim, Delivery, Handler, KeyError, Raw, Tx, idempotent};
 use sqlx::Postgres;
 
 #[derive(serde::Deserialize)]
@@ -66,15 +68,53 @@ async fn two_phase(cfg: &Config, msg: Credit, claim: &mut Claim<Postgres>) -> Re
     Ok(())
 }
 
+/// Keyed on a header; the delivery is also the body's, in any position.
+#[idempotent(consumer = "credit-header", key = delivery.header("Idempotency-Key"))]
+async fn header_key(
+    delivery: &Delivery,
+    msg: Credit,
+    tx: &mut Tx<Postgres>,
+) -> Result<(), sqlx::Error> {
+    let _ = (msg, delivery.delivered());
+    helper(tx, delivery.subject()).await
+}
+
+/// Outside the macro, the transaction's lifetime is written out: `Tx<'_, Postgres>`.
+async fn helper(tx: &mut Tx<'_, Postgres>, subject: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT $1").bind(subject).execute(&mut **tx).await?;
+    Ok(())
+}
+
+/// The payload as it came, keyed on CloudEvents' `ce-source` and `ce-id`.
+#[idempotent(consumer = "credit-raw", key = delivery.cloud_event_key(), codec = Raw)]
+async fn raw_payload(
+    payload: bytes::Bytes,
+    delivery: &Delivery,
+    tx: &mut Tx<Postgres>,
+) -> Result<(), sqlx::Error> {
+    let _ = (payload.len(), delivery, tx);
+    Ok(())
+}
+
 fn main() {
     let msg = Credit { id: "a".into(), seq: 7 };
-    assert_eq!(by_field.key(&msg, &()), Some("a".to_owned()));
+    let d = Delivery::new("credits");
+    assert_eq!(by_field.key(&msg, &d, &()), Ok(Some("a".to_owned())));
     let cfg = Config { prefix: "p".into() };
-    assert_eq!(with_state.key(&msg, &cfg), Some("p-7".to_owned()));
-    assert_eq!(integer_key.key(&msg, &()), Some("7".to_owned()));
-    assert_eq!(transport_key.key(&msg, &()), None);
+    assert_eq!(with_state.key(&msg, &d, &cfg), Ok(Some("p-7".to_owned())));
+    assert_eq!(integer_key.key(&msg, &d, &()), Ok(Some("7".to_owned())));
+    assert_eq!(transport_key.key(&msg, &d, &()), Ok(None));
     assert_eq!(<by_field as Handler>::CONSUMER, "credit");
     let _: Option<<result_alias as Handler>::Error> = None::<std::io::Error>;
     assert!(<two_phase as Handler>::TWO_PHASE && !<by_field as Handler>::TWO_PHASE);
-    assert_eq!(two_phase.key(&msg, &cfg), Some("a".to_owned()));
+    assert_eq!(two_phase.key(&msg, &d, &cfg), Ok(Some("a".to_owned())));
+    let keyed = d.clone().with_header("idempotency-key", "k");
+    assert_eq!(header_key.key(&msg, &keyed, &()), Ok(Some("k".to_owned())));
+    assert_eq!(
+        header_key.key(&msg, &d, &()),
+        Err(KeyError::Absent("delivery.header(\"Idempotency-Key\")"))
+    );
+    let event = d.with_header("ce-id", "1").with_header("ce-source", "/s");
+    let payload = bytes::Bytes::from_static(b"\xff");
+    assert_eq!(raw_payload.key(&payload, &event, &()), Ok(Some("/s 1".to_owned())));
 }

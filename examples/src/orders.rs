@@ -1,0 +1,253 @@
+//! The `orders` example: two handlers in one process on one [`App`], sharing one PostgreSQL
+//! pool, one NATS connection and one state.
+//!
+//! - `place_order` (consumer `orders`, subject `<prefix>.placed`): `{"order_id", "sku",
+//!   "quantity"}`, keyed on the integer `order_id` from the payload; records the order and
+//!   reserves its stock.
+//! - `adjust_stock` (consumer `inventory`, subject `<prefix>.stock`): `{"sku", "delta"}`, keyed
+//!   on the message's `Idempotency-Key` header (any producer's spelling of it: Go's
+//!   `Idempotency-Key`, nats-py's `idempotency-key`); a message without one is dead-lettered.
+//!
+//! Both durable consumers, and the stream, are created at start with
+//! [`inbox_runtime::recommended_consumer`]. SIGINT or SIGTERM drains both handlers.
+
+use crate::{Error, Vars, db_start_error, redact, server_pool, until_up};
+use inbox_runtime::{App, AppStats, Delivery, Durable, Inbox, Stats, Tx, idempotent};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgPool, Postgres};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// An order: `quantity` of `sku`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrderPlaced {
+    /// The order's number: its dedup key.
+    pub order_id: i64,
+    /// What was ordered.
+    pub sku: String,
+    /// How many.
+    pub quantity: i64,
+}
+
+/// Stock of `sku` received (`delta` > 0) or written off (< 0).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StockAdjusted {
+    /// The product.
+    pub sku: String,
+    /// The change in stock on hand.
+    pub delta: i64,
+}
+
+/// What both handlers share: here, the table prefix would go, a price list, an HTTP client.
+#[derive(Debug, Default)]
+pub struct Shop {
+    /// Test only (`ORDERS_TEST_HOLD_MS`): how long each handler waits inside its transaction,
+    /// so that a test can stop the process with messages in flight.
+    pub hold: Duration,
+}
+
+impl Shop {
+    async fn hold(&self, consumer: &str, key: &str) {
+        if !self.hold.is_zero() {
+            tracing::info!(
+                consumer,
+                key,
+                "holding the transaction (ORDERS_TEST_HOLD_MS)"
+            );
+            tokio::time::sleep(self.hold).await;
+        }
+    }
+}
+
+/// Records the order and reserves its stock.
+#[idempotent(consumer = "orders", key = msg.order_id)]
+pub async fn place_order(
+    msg: OrderPlaced,
+    shop: &Arc<Shop>,
+    tx: &mut Tx<Postgres>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO orders (id, sku, quantity) VALUES ($1, $2, $3)")
+        .bind(msg.order_id)
+        .bind(&msg.sku)
+        .bind(msg.quantity)
+        .execute(&mut **tx)
+        .await?;
+    reserve(tx, &msg.sku, msg.quantity).await?;
+    shop.hold("orders", &msg.order_id.to_string()).await;
+    Ok(())
+}
+
+/// A helper a handler calls with its transaction: `&mut Tx<'_, Postgres>` outside the macro.
+async fn reserve(tx: &mut Tx<'_, Postgres>, sku: &str, quantity: i64) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO stock (sku, on_hand, reserved) VALUES ($1, 0, $2) \
+         ON CONFLICT (sku) DO UPDATE SET reserved = stock.reserved + EXCLUDED.reserved",
+    )
+    .bind(sku)
+    .bind(quantity)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Changes the stock on hand, once per `Idempotency-Key`.
+#[idempotent(consumer = "inventory", key = delivery.header("Idempotency-Key"))]
+pub async fn adjust_stock(
+    msg: StockAdjusted,
+    delivery: &Delivery,
+    shop: &Arc<Shop>,
+    tx: &mut Tx<Postgres>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO stock (sku, on_hand, reserved) VALUES ($1, $2, 0) \
+         ON CONFLICT (sku) DO UPDATE SET on_hand = stock.on_hand + EXCLUDED.on_hand",
+    )
+    .bind(&msg.sku)
+    .bind(msg.delta)
+    .execute(&mut **tx)
+    .await?;
+    let key = delivery.header("Idempotency-Key").unwrap_or_default();
+    shop.hold("inventory", key).await;
+    Ok(())
+}
+
+/// Creates `orders` and `stock` when missing (serialised by an advisory lock, as concurrent
+/// `CREATE TABLE IF NOT EXISTS` can collide in PostgreSQL's catalog).
+pub async fn create_tables(pool: &PgPool) -> Result<(), sqlx::Error> {
+    let mut tx = pool.begin().await?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('inbox-examples orders'))")
+        .execute(&mut *tx)
+        .await?;
+    for ddl in [
+        "CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, sku TEXT NOT NULL, quantity BIGINT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, on_hand BIGINT NOT NULL, reserved BIGINT NOT NULL)",
+    ] {
+        sqlx::query(ddl).execute(&mut *tx).await?;
+    }
+    tx.commit().await
+}
+
+/// The example's configuration, from the environment.
+#[derive(Clone, PartialEq, Eq)]
+pub struct OrdersConfig {
+    /// `NATS_URL`, default `nats://127.0.0.1:4222`.
+    pub nats_url: String,
+    /// `DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test` (PostgreSQL only).
+    pub database_url: String,
+    /// `ORDERS_STREAM`, default `ORDERS`.
+    pub stream: String,
+    /// `ORDERS_SUBJECT_PREFIX`, default `orders`: the handlers consume `<prefix>.placed` and
+    /// `<prefix>.stock`.
+    pub prefix: String,
+    /// `ORDERS_POOL`: the pool's size, split between the handlers by the `App`; default 8.
+    pub pool: u32,
+    /// `ORDERS_TEST_HOLD_MS` (tests only): see [`Shop::hold`].
+    pub hold: Duration,
+}
+
+impl std::fmt::Debug for OrdersConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrdersConfig")
+            .field("nats_url", &redact::url_list(&self.nats_url))
+            .field("database_url", &redact::url(&self.database_url))
+            .field("stream", &self.stream)
+            .field("prefix", &self.prefix)
+            .field("pool", &self.pool)
+            .field("hold", &self.hold)
+            .finish()
+    }
+}
+
+impl OrdersConfig {
+    /// Reads the configuration; a variable that does not parse is an error naming it.
+    pub fn from_env() -> Result<Self, String> {
+        let env = Vars(|name: &str| std::env::var(name).ok());
+        Ok(OrdersConfig {
+            nats_url: env.var("NATS_URL", "nats://127.0.0.1:4222"),
+            database_url: env.var("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
+            stream: env.var("ORDERS_STREAM", "ORDERS"),
+            prefix: env.var("ORDERS_SUBJECT_PREFIX", "orders"),
+            pool: env.number("ORDERS_POOL", "8", 2)? as u32,
+            hold: Duration::from_millis(env.number("ORDERS_TEST_HOLD_MS", "0", 0)?),
+        })
+    }
+
+    /// The credentials of both URLs, to scrub from whatever is printed.
+    pub fn secrets(&self) -> redact::Secrets {
+        let mut secrets = redact::Secrets::default();
+        secrets.add_url_list(&self.nats_url);
+        secrets.add_url(&self.database_url);
+        secrets
+    }
+}
+
+/// Connects (waiting out NATS and PostgreSQL being down at start, until `startup` is
+/// cancelled), creates the tables, migrates the inbox, and runs both handlers on one [`App`]
+/// until SIGINT or SIGTERM. Returns each handler's counters.
+pub async fn run(config: &OrdersConfig, startup: CancellationToken) -> Result<AppStats, Error> {
+    let servers: Vec<&str> = config.nats_url.split(',').map(str::trim).collect();
+    let shown_nats = redact::url_list(&config.nats_url);
+    let connect_nats = || async {
+        async_nats::ConnectOptions::new()
+            .connection_timeout(Duration::from_secs(5))
+            .connect(servers.clone())
+            .await
+            .map_err(|e| crate::StartError::Down(format!("{shown_nats}: {e}")))
+    };
+    let Some(client) = until_up("NATS", &startup, connect_nats).await? else {
+        return Ok(AppStats::new());
+    };
+    let js = async_nats::jetstream::new(client);
+    let shown = redact::url(&config.database_url);
+    let scheme = config.database_url.split_once(':').map_or("", |(s, _)| s);
+    if !matches!(scheme, "postgres" | "postgresql") {
+        return Err(format!("DATABASE_URL {shown}: the orders example runs on PostgreSQL").into());
+    }
+    let options: sqlx::postgres::PgConnectOptions = config
+        .database_url
+        .parse()
+        .map_err(|e| format!("DATABASE_URL {shown}: {e}"))?;
+    let connect = || {
+        let pool = server_pool::<Postgres>(config.pool).connect_with(options.clone());
+        async {
+            pool.await
+                .map_err(|e| db_start_error::<Postgres>(&shown, e))
+        }
+    };
+    let Some(pool) = until_up("the database", &startup, connect).await? else {
+        return Ok(AppStats::new());
+    };
+    create_tables(&pool).await?;
+    let inbox = Inbox::new(pool.clone());
+    inbox.migrate().await?;
+
+    let shop = Arc::new(Shop { hold: config.hold });
+    let stream = async_nats::jetstream::stream::Config {
+        subjects: vec![format!("{}.>", config.prefix)],
+        max_age: crate::MAX_AGE,
+        ..Default::default()
+    };
+    let durable = |name: &str, suffix: &str| {
+        Durable::recommended(&config.stream, name, format!("{}.{suffix}", config.prefix))
+            .with_stream(stream.clone())
+    };
+    let stats = App::new(inbox, &js)
+        .handler_with_state(place_order, shop.clone(), durable("orders", "placed"))
+        .handler_with_state(adjust_stock, shop, durable("inventory", "stock"))
+        .run()
+        .await?;
+    pool.close().await;
+    Ok(stats)
+}
+
+/// The counters of every handler, added up.
+pub fn total(stats: &AppStats) -> Stats {
+    stats.values().fold(Stats::default(), |mut all, s| {
+        all.acked += s.acked;
+        all.skipped += s.skipped;
+        all.nacked += s.nacked;
+        all.terminated += s.terminated;
+        all
+    })
+}
