@@ -13,7 +13,7 @@ use crate::{
     server_pool, until_up,
 };
 use inbox_runtime::{
-    BoxError, Claim, Handler, Inbox, Permanent, Stats, Transient, WorkerBuilder, idempotent,
+    App, BoxError, Claim, Durable, Handler, Inbox, Permanent, Stats, Transient, idempotent,
     sqlite_options,
 };
 use serde::{Deserialize, Serialize};
@@ -133,6 +133,10 @@ pub async fn email_sqlite(
 pub struct EmailConfig {
     /// `NATS_URL`, default `nats://127.0.0.1:4222`.
     pub nats_url: String,
+    /// `NATS_CREDS` or `NATS_NKEY` (see [`crate::NatsAuth`]).
+    pub nats_auth: crate::NatsAuth,
+    /// `METRICS_ADDR`: where `/metrics` and `/healthz` are served (unset: not served).
+    pub metrics: Option<std::net::SocketAddr>,
     /// `DATABASE_URL`, as for `credit`.
     pub database_url: String,
     /// `EMAIL_STREAM`, default `EMAILS`.
@@ -179,6 +183,8 @@ impl EmailConfig {
         }
         Ok(EmailConfig {
             nats_url: var("NATS_URL", "nats://127.0.0.1:4222"),
+            nats_auth: crate::NatsAuth::from_vars(&env)?,
+            metrics: crate::observe::metrics_addr(&env)?,
             database_url: var("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
             stream: var("EMAIL_STREAM", "EMAILS"),
             subject: var("EMAIL_SUBJECT", "emails.requested"),
@@ -228,13 +234,14 @@ impl std::fmt::Debug for EmailConfig {
 pub async fn run(config: &EmailConfig, shutdown: CancellationToken) -> Result<Stats, Error> {
     let spec = ConsumerSpec {
         nats_url: &config.nats_url,
+        nats_auth: &config.nats_auth,
         stream: &config.stream,
         subject: &config.subject,
         durable: &config.durable,
         ack_wait: config.ack_wait(),
         max_deliver: 10,
     };
-    let Some((jetstream, consumer, stream)) =
+    let Some((jetstream, _, stream)) =
         until_up("NATS", &shutdown, || jetstream_consumer(&spec)).await?
     else {
         return Ok(Stats::default());
@@ -248,7 +255,6 @@ pub async fn run(config: &EmailConfig, shutdown: CancellationToken) -> Result<St
     let on = Serve {
         config,
         jetstream,
-        consumer,
         stream: &stream,
         database: &shown,
         shutdown,
@@ -285,7 +291,6 @@ pub async fn run(config: &EmailConfig, shutdown: CancellationToken) -> Result<St
 struct Serve<'a> {
     config: &'a EmailConfig,
     jetstream: async_nats::jetstream::Context,
-    consumer: async_nats::jetstream::consumer::PullConsumer,
     stream: &'a async_nats::jetstream::stream::Stream,
     database: &'a str,
     shutdown: CancellationToken,
@@ -301,7 +306,6 @@ impl Serve<'_> {
     ) -> Result<Stats, Error>
     where
         H: Handler<State = Api>,
-        H::Message: serde::de::DeserializeOwned,
     {
         let shown = self.database;
         let connect = || {
@@ -317,12 +321,21 @@ impl Serve<'_> {
         };
         let inbox = Inbox::new(pool.clone()).lease(self.config.lease);
         inbox.migrate().await?;
-        let worker = WorkerBuilder::new(inbox, &self.jetstream, self.consumer)
-            .cleanup(RETENTION, self.stream)
-            .build_with_state(handler, self.api)?;
-        let stats = worker.run_until(self.shutdown).await;
+        let durable =
+            Durable::existing(&self.stream.cached_info().config.name, &self.config.durable);
+        let stream = self.stream.clone();
+        let app = App::new(inbox, &self.jetstream).handler_configured(
+            handler,
+            self.api,
+            durable,
+            move |w| w.cleanup(RETENTION, &stream),
+        );
+        if let Some(addr) = self.config.metrics {
+            crate::observe::serve(addr, app.health()).await?;
+        }
+        let stats = app.run_until(self.shutdown).await?;
         pool.close().await;
-        Ok(stats)
+        Ok(crate::orders::total(&stats))
     }
 }
 

@@ -5,13 +5,14 @@
 //! the environment (see [`Config::from_env`], [`email::EmailConfig::from_env`]).
 
 pub mod email;
+mod observe;
 pub mod orders;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use inbox_runtime::{
-    AckMode, Backoff, Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder, idempotent,
-    is_transient, sqlite_options,
+    AckMode, App, Backoff, Durable, Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder,
+    idempotent, is_transient, sqlite_options,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::pool::PoolOptions;
@@ -149,6 +150,8 @@ impl<F: Fn(&str) -> Option<String>> Vars<F> {
 pub struct Config {
     /// `NATS_URL`, default `nats://127.0.0.1:4222`.
     pub nats_url: String,
+    /// `NATS_CREDS` or `NATS_NKEY`.
+    pub nats_auth: NatsAuth,
     /// `DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`; `postgres://`,
     /// `mysql://` (or `mariadb://`) or `sqlite://`.
     pub database_url: String,
@@ -163,6 +166,8 @@ pub struct Config {
     pub concurrency: u32,
     /// `CREDIT_ACK`: `plain` or `double` (see `inbox_runtime::AckMode`), default the runtime's.
     pub ack_mode: Option<AckMode>,
+    /// `METRICS_ADDR`: where `/metrics` and `/healthz` are served (unset: not served).
+    pub metrics: Option<std::net::SocketAddr>,
     /// `CREDIT_BATCH`: commit up to this many messages per transaction (see
     /// `WorkerBuilder::batch`), waiting at most 10 ms for a batch to fill; default 1, no batching.
     pub batch: usize,
@@ -182,6 +187,7 @@ impl Config {
         let count = |name: &str, default: &str| env.number(name, default, 1).map(|n| n as u32);
         Ok(Config {
             nats_url: var("NATS_URL", "nats://127.0.0.1:4222"),
+            nats_auth: NatsAuth::from_vars(&env)?,
             database_url: var("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
             stream: var("CREDIT_STREAM", "CREDITS"),
             subject: var("CREDIT_SUBJECT", "credits.requested"),
@@ -194,6 +200,7 @@ impl Config {
                 other => return Err(format!("CREDIT_ACK={other:?}: use plain or double")),
             },
             batch: count("CREDIT_BATCH", "1")? as usize,
+            metrics: observe::metrics_addr(&env)?,
         })
     }
 
@@ -210,6 +217,7 @@ impl std::fmt::Debug for Config {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Config")
             .field("nats_url", &redact::url_list(&self.nats_url))
+            .field("nats_auth", &self.nats_auth)
             .field("database_url", &redact::url(&self.database_url))
             .field("stream", &self.stream)
             .field("subject", &self.subject)
@@ -217,6 +225,7 @@ impl std::fmt::Debug for Config {
             .field("concurrency", &self.concurrency)
             .field("ack_mode", &self.ack_mode)
             .field("batch", &self.batch)
+            .field("metrics", &self.metrics)
             .finish()
     }
 }
@@ -238,7 +247,7 @@ pub type Error = Box<dyn std::error::Error + Send + Sync>;
 /// database being down at start is waited out (capped backoff, one log line per attempt).
 pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, Error> {
     let spec = config.consumer_spec();
-    let Some((jetstream, consumer, stream)) =
+    let Some((jetstream, _, stream)) =
         until_up("NATS", &shutdown, || jetstream_consumer(&spec)).await?
     else {
         return Ok(Stats::default());
@@ -251,7 +260,8 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
         batch: config.batch,
         ack_mode: config.ack_mode,
         jetstream,
-        consumer,
+        durable: &config.durable,
+        metrics: config.metrics,
         stream: &stream,
         database: &shown,
         shutdown,
@@ -336,9 +346,86 @@ where
     }
 }
 
+/// How an example authenticates to NATS, besides what its URL holds (a user and password, a
+/// token): `NATS_CREDS`, a credentials file (a user JWT and its NKey seed, as `nsc` writes), or
+/// `NATS_NKEY`, a file holding an NKey seed (`SU...`). At most one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsAuth {
+    /// `NATS_CREDS`.
+    pub creds_file: Option<std::path::PathBuf>,
+    /// `NATS_NKEY`.
+    pub nkey_file: Option<std::path::PathBuf>,
+}
+
+impl NatsAuth {
+    /// Reads `NATS_CREDS` and `NATS_NKEY`.
+    pub(crate) fn from_vars<F: Fn(&str) -> Option<String>>(env: &Vars<F>) -> Result<Self, String> {
+        let path = |name: &str| {
+            Some(env.var(name, ""))
+                .filter(|v| !v.is_empty())
+                .map(Into::into)
+        };
+        let auth = NatsAuth {
+            creds_file: path("NATS_CREDS"),
+            nkey_file: path("NATS_NKEY"),
+        };
+        if auth.creds_file.is_some() && auth.nkey_file.is_some() {
+            return Err("NATS_CREDS and NATS_NKEY are both set: use one".into());
+        }
+        Ok(auth)
+    }
+
+    /// `options` with these credentials.
+    async fn apply(
+        &self,
+        options: async_nats::ConnectOptions,
+    ) -> Result<async_nats::ConnectOptions, StartError> {
+        if let Some(path) = &self.creds_file {
+            return options.credentials_file(path).await.map_err(|e| {
+                StartError::Fatal(format!("NATS_CREDS {}: {e}", path.display()).into())
+            });
+        }
+        if let Some(path) = &self.nkey_file {
+            let seed = std::fs::read_to_string(path).map_err(|e| {
+                StartError::Fatal(format!("NATS_NKEY {}: {e}", path.display()).into())
+            })?;
+            return Ok(options.nkey(seed.trim().to_owned()));
+        }
+        Ok(options)
+    }
+}
+
+/// Connects to the NATS servers of `url` (one URL, or several comma-separated: the NATS
+/// convention for a cluster) with `auth`: a server that does not answer is `Down` (waited out),
+/// refused credentials or a bad URL are fatal.
+pub(crate) async fn connect_nats(
+    url: &str,
+    auth: &NatsAuth,
+) -> Result<async_nats::Client, StartError> {
+    use async_nats::ConnectErrorKind;
+    let shown = redact::url_list(url);
+    let servers: Vec<&str> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    let options = async_nats::ConnectOptions::new().connection_timeout(Duration::from_secs(5));
+    auth.apply(options)
+        .await?
+        .connect(servers)
+        .await
+        .map_err(|e| match e.kind() {
+            ConnectErrorKind::Io | ConnectErrorKind::TimedOut | ConnectErrorKind::Dns => {
+                StartError::Down(format!("{shown}: {e}"))
+            }
+            _ => StartError::Fatal(format!("cannot connect to NATS at {shown}: {e}").into()),
+        })
+}
+
 /// The stream and durable consumer an example consumes: created when missing.
 pub(crate) struct ConsumerSpec<'a> {
     pub nats_url: &'a str,
+    pub nats_auth: &'a NatsAuth,
     pub stream: &'a str,
     pub subject: &'a str,
     pub durable: &'a str,
@@ -350,6 +437,7 @@ impl Config {
     fn consumer_spec(&self) -> ConsumerSpec<'_> {
         ConsumerSpec {
             nats_url: &self.nats_url,
+            nats_auth: &self.nats_auth,
             stream: &self.stream,
             subject: &self.subject,
             durable: &self.durable,
@@ -363,25 +451,7 @@ impl Config {
 pub(crate) async fn jetstream_consumer(
     config: &ConsumerSpec<'_>,
 ) -> Result<(jetstream::Context, PullConsumer, stream::Stream), StartError> {
-    use async_nats::ConnectErrorKind;
-    let shown = redact::url_list(config.nats_url);
-    // NATS_URL may list several servers, comma-separated (the NATS convention for a cluster).
-    let servers: Vec<&str> = config
-        .nats_url
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .collect();
-    let client = async_nats::ConnectOptions::new()
-        .connection_timeout(Duration::from_secs(5))
-        .connect(servers)
-        .await
-        .map_err(|e| match e.kind() {
-            ConnectErrorKind::Io | ConnectErrorKind::TimedOut | ConnectErrorKind::Dns => {
-                StartError::Down(format!("{shown}: {e}"))
-            }
-            _ => StartError::Fatal(format!("cannot connect to NATS at {shown}: {e}").into()),
-        })?;
+    let client = connect_nats(config.nats_url, config.nats_auth).await?;
     let js = jetstream::new(client);
     let stream = js
         .get_or_create_stream(stream::Config {
@@ -442,7 +512,10 @@ struct Serve<'a> {
     batch: usize,
     ack_mode: Option<AckMode>,
     jetstream: jetstream::Context,
-    consumer: PullConsumer,
+    /// The durable consumer's name.
+    durable: &'a str,
+    /// `METRICS_ADDR`.
+    metrics: Option<std::net::SocketAddr>,
     stream: &'a stream::Stream,
     /// `DATABASE_URL`, redacted, for messages.
     database: &'a str,
@@ -461,7 +534,6 @@ impl Serve<'_> {
     ) -> Result<Stats, Error>
     where
         H: Handler<State = ()>,
-        H::Message: serde::de::DeserializeOwned,
     {
         let shown = self.database;
         let connect = || {
@@ -474,16 +546,25 @@ impl Serve<'_> {
         create_accounts(&pool).await?;
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await?;
-        let mut builder = WorkerBuilder::new(inbox, &self.jetstream, self.consumer)
-            .cleanup(RETENTION, self.stream)
-            .batch(self.batch, Duration::from_millis(10));
-        if let Some(mode) = self.ack_mode {
-            builder = builder.ack_mode(mode);
+        let durable = Durable::existing(&self.stream.cached_info().config.name, self.durable);
+        let (stream, batch, ack_mode) = (self.stream.clone(), self.batch, self.ack_mode);
+        let configure = move |w: WorkerBuilder<H::Db>| {
+            let w = w
+                .cleanup(RETENTION, &stream)
+                .batch(batch, Duration::from_millis(10));
+            match ack_mode {
+                Some(mode) => w.ack_mode(mode),
+                None => w,
+            }
+        };
+        let app =
+            App::new(inbox, &self.jetstream).handler_configured(handler, (), durable, configure);
+        if let Some(addr) = self.metrics {
+            observe::serve(addr, app.health()).await?;
         }
-        let worker = builder.build(handler)?;
-        let stats = worker.run_until(self.shutdown).await;
+        let stats = app.run_until(self.shutdown).await?;
         pool.close().await;
-        Ok(stats)
+        Ok(orders::total(&stats))
     }
 }
 

@@ -133,6 +133,10 @@ pub async fn create_tables(pool: &PgPool) -> Result<(), sqlx::Error> {
 pub struct OrdersConfig {
     /// `NATS_URL`, default `nats://127.0.0.1:4222`.
     pub nats_url: String,
+    /// `NATS_CREDS` or `NATS_NKEY` (see [`crate::NatsAuth`]).
+    pub nats_auth: crate::NatsAuth,
+    /// `METRICS_ADDR`: where `/metrics` and `/healthz` are served (unset: not served).
+    pub metrics: Option<std::net::SocketAddr>,
     /// `DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test` (PostgreSQL only).
     pub database_url: String,
     /// `ORDERS_STREAM`, default `ORDERS`.
@@ -150,6 +154,8 @@ impl std::fmt::Debug for OrdersConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OrdersConfig")
             .field("nats_url", &redact::url_list(&self.nats_url))
+            .field("nats_auth", &self.nats_auth)
+            .field("metrics", &self.metrics)
             .field("database_url", &redact::url(&self.database_url))
             .field("stream", &self.stream)
             .field("prefix", &self.prefix)
@@ -165,6 +171,8 @@ impl OrdersConfig {
         let env = Vars(|name: &str| std::env::var(name).ok());
         Ok(OrdersConfig {
             nats_url: env.var("NATS_URL", "nats://127.0.0.1:4222"),
+            nats_auth: crate::NatsAuth::from_vars(&env)?,
+            metrics: crate::observe::metrics_addr(&env)?,
             database_url: env.var("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"),
             stream: env.var("ORDERS_STREAM", "ORDERS"),
             prefix: env.var("ORDERS_SUBJECT_PREFIX", "orders"),
@@ -186,15 +194,7 @@ impl OrdersConfig {
 /// cancelled), creates the tables, migrates the inbox, and runs both handlers on one [`App`]
 /// until SIGINT or SIGTERM. Returns each handler's counters.
 pub async fn run(config: &OrdersConfig, startup: CancellationToken) -> Result<AppStats, Error> {
-    let servers: Vec<&str> = config.nats_url.split(',').map(str::trim).collect();
-    let shown_nats = redact::url_list(&config.nats_url);
-    let connect_nats = || async {
-        async_nats::ConnectOptions::new()
-            .connection_timeout(Duration::from_secs(5))
-            .connect(servers.clone())
-            .await
-            .map_err(|e| crate::StartError::Down(format!("{shown_nats}: {e}")))
-    };
+    let connect_nats = || crate::connect_nats(&config.nats_url, &config.nats_auth);
     let Some(client) = until_up("NATS", &startup, connect_nats).await? else {
         return Ok(AppStats::new());
     };
@@ -232,11 +232,13 @@ pub async fn run(config: &OrdersConfig, startup: CancellationToken) -> Result<Ap
         Durable::recommended(&config.stream, name, format!("{}.{suffix}", config.prefix))
             .with_stream(stream.clone())
     };
-    let stats = App::new(inbox, &js)
+    let app = App::new(inbox, &js)
         .handler_with_state(place_order, shop.clone(), durable("orders", "placed"))
-        .handler_with_state(adjust_stock, shop, durable("inventory", "stock"))
-        .run()
-        .await?;
+        .handler_with_state(adjust_stock, shop, durable("inventory", "stock"));
+    if let Some(addr) = config.metrics {
+        crate::observe::serve(addr, app.health()).await?;
+    }
+    let stats = app.run().await?;
     pool.close().await;
     Ok(stats)
 }

@@ -9,6 +9,8 @@ use crate::worker::{NoState, Stats, WorkerBuilder, WorkerError};
 use async_nats::jetstream::{self, consumer, consumer::pull, stream};
 use futures::future::BoxFuture;
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -236,6 +238,66 @@ pub struct App<DB: InboxBackend> {
     inbox: Inbox<DB>,
     jetstream: jetstream::Context,
     planned: Vec<Planned<DB>>,
+    health: Health,
+}
+
+/// Whether an [`App`] can do its work: NATS connected, the database answering, every handler's
+/// worker running. Cheap to clone; take it with [`App::health`] before running the app, and
+/// serve [`Health::check`] on a probe (`/healthz`), as the examples do.
+#[derive(Clone)]
+pub struct Health {
+    inner: Arc<HealthInner>,
+}
+
+struct HealthInner {
+    nats: async_nats::Client,
+    database: Box<dyn Fn() -> BoxFuture<'static, bool> + Send + Sync>,
+    /// Workers registered, and running now.
+    workers: AtomicUsize,
+    running: AtomicUsize,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Health")
+            .field("workers", &self.inner.workers.load(Ordering::Relaxed))
+            .field("running", &self.inner.running.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+/// What [`Health::check`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct HealthReport {
+    /// The NATS connection is up.
+    pub nats: bool,
+    /// The database answered a ping within 5 s.
+    pub database: bool,
+    /// Handlers registered.
+    pub workers: usize,
+    /// Handlers whose worker is running.
+    pub running: usize,
+}
+
+impl HealthReport {
+    /// Everything is up and every worker runs.
+    pub fn healthy(&self) -> bool {
+        self.nats && self.database && self.workers > 0 && self.running == self.workers
+    }
+}
+
+impl Health {
+    /// Looks now: pings the database (at most 5 s) and reads the NATS connection's state.
+    pub async fn check(&self) -> HealthReport {
+        let nats = self.inner.nats.connection_state() == async_nats::connection::State::Connected;
+        let database = (self.inner.database)().await;
+        HealthReport {
+            nats,
+            database,
+            workers: self.inner.workers.load(Ordering::Relaxed),
+            running: self.inner.running.load(Ordering::Relaxed),
+        }
+    }
 }
 
 impl<DB: InboxBackend> std::fmt::Debug for App<DB> {
@@ -251,11 +313,29 @@ impl<DB: InboxBackend> App<DB> {
     /// An app over `inbox` (migrated already) and `jetstream`, whose connection every worker
     /// pulls on.
     pub fn new(inbox: Inbox<DB>, jetstream: &jetstream::Context) -> Self {
+        let pinged = inbox.clone();
+        let health = Health {
+            inner: Arc::new(HealthInner {
+                nats: jetstream.client(),
+                database: Box::new(move || {
+                    let inbox = pinged.clone();
+                    Box::pin(async move { inbox.answers().await })
+                }),
+                workers: AtomicUsize::new(0),
+                running: AtomicUsize::new(0),
+            }),
+        };
         App {
             inbox,
             jetstream: jetstream.clone(),
             planned: Vec::new(),
+            health,
         }
+    }
+
+    /// The app's health, to serve on a probe while it runs (see [`Health`]).
+    pub fn health(&self) -> Health {
+        self.health.clone()
     }
 
     /// Registers `handler`, which takes no state, on `durable`.
@@ -342,11 +422,19 @@ impl<DB: InboxBackend> App<DB> {
     /// Starts every handler and runs until `shutdown` is cancelled, then drains; for embedding
     /// in a process that handles signals itself.
     pub async fn run_until(self, shutdown: CancellationToken) -> Result<AppStats, AppError> {
+        let health = self.health.clone();
         let runs = self.start(&shutdown).await?;
         let mut stats = AppStats::new();
+        health.inner.workers.store(runs.len(), Ordering::Relaxed);
         let all = runs.into_iter().map(|(consumer, run)| {
             let token = shutdown.clone();
-            async move { (consumer, run(token).await) }
+            let health = health.clone();
+            async move {
+                health.inner.running.fetch_add(1, Ordering::Relaxed);
+                let stats = run(token).await;
+                health.inner.running.fetch_sub(1, Ordering::Relaxed);
+                (consumer, stats)
+            }
         });
         for (consumer, s) in futures::future::join_all(all).await {
             stats.insert(consumer, s);

@@ -270,6 +270,7 @@ pub(crate) async fn run_periodically<DB: InboxBackend>(
         match pass.await {
             Ok(Some(n)) => {
                 skipped = 0;
+                crate::metrics::cleaned(consumer, n);
                 if n > 0 {
                     tracing::info!(consumer, deleted = n, "inbox cleanup");
                 }

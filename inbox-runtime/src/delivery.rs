@@ -161,6 +161,13 @@ impl Delivery {
         self.published
     }
 
+    /// The producer's W3C trace context, from the `traceparent` header, when well-formed. The
+    /// worker records its trace and parent span ids on the message's span (`trace_id`,
+    /// `parent_span_id`).
+    pub fn trace_parent(&self) -> Option<TraceParent<'_>> {
+        TraceParent::parse(self.header("traceparent")?)
+    }
+
     /// The key of a [CloudEvent](https://github.com/cloudevents/spec/blob/main/cloudevents/spec.md#id)
     /// in binary mode: `ce-source` and `ce-id`, which together identify an event, as
     /// `"{source} {id}"`; `None` unless both headers are present. For
@@ -169,6 +176,47 @@ impl Delivery {
         let source = self.header("ce-source")?;
         let id = self.header("ce-id")?;
         Some(format!("{source} {id}"))
+    }
+}
+
+/// A W3C trace context (`traceparent: 00-<trace id>-<parent id>-<flags>`), as a producer sent it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceParent<'a> {
+    /// 32 lowercase hex digits, not all zero.
+    pub trace_id: &'a str,
+    /// The producer's span: 16 lowercase hex digits, not all zero.
+    pub parent_id: &'a str,
+    /// Whether the producer sampled the trace.
+    pub sampled: bool,
+}
+
+impl<'a> TraceParent<'a> {
+    /// Parses a `traceparent` header value; `None` unless it is well-formed (version `00`, or a
+    /// later version's first four fields, as the specification asks).
+    pub fn parse(value: &'a str) -> Option<TraceParent<'a>> {
+        let mut parts = value.trim().split('-');
+        let (version, trace_id, parent_id, flags) =
+            (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+        let hex = |s: &str, n: usize| {
+            s.len() == n
+                && s.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        };
+        let zero = |s: &str| s.bytes().all(|b| b == b'0');
+        let valid = hex(version, 2)
+            && version != "ff"
+            && (version != "00" || parts.next().is_none())
+            && hex(trace_id, 32)
+            && !zero(trace_id)
+            && hex(parent_id, 16)
+            && !zero(parent_id)
+            && hex(flags, 2);
+        let flags = u8::from_str_radix(flags, 16).ok()?;
+        valid.then_some(TraceParent {
+            trace_id,
+            parent_id,
+            sampled: flags & 1 == 1,
+        })
     }
 }
 
@@ -285,6 +333,35 @@ mod tests {
         assert_eq!(d.msg_id(), None);
         let d = d.with_header("Nats-Msg-Id", "m-1");
         assert_eq!(d.msg_id(), Some("m-1"));
+    }
+
+    #[test]
+    fn trace_parents_are_parsed_strictly() {
+        let tp = TraceParent::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        assert_eq!(
+            tp,
+            Some(TraceParent {
+                trace_id: "4bf92f3577b34da6a3ce929d0e0e4736",
+                parent_id: "00f067aa0ba902b7",
+                sampled: true
+            })
+        );
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+        ] {
+            assert_eq!(TraceParent::parse(bad), None, "{bad:?}");
+        }
+        let d = Delivery::new("s").with_header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+        );
+        assert!(!d.trace_parent().unwrap().sampled);
     }
 
     #[test]

@@ -76,6 +76,7 @@ int_keys!(
     i8, i16, i32, i64, i128, isize, u8, u16, u32, u64, u128, usize
 );
 #[cfg(feature = "uuid")]
+#[cfg_attr(docsrs, doc(cfg(feature = "uuid")))]
 impl ToMessageKey for uuid::Uuid {
     fn to_message_key(&self) -> String {
         self.hyphenated().to_string()

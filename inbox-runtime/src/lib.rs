@@ -1,43 +1,10 @@
-//! Exactly-once *effects* for NATS JetStream consumers.
-//!
-//! JetStream delivers at least once. This crate makes the database decide whether a message was
-//! already handled: the handler runs inside a transaction that also inserts a marker row, unique on
-//! (consumer, key), and both commit or neither does. A duplicate delivery finds the marker and is
-//! skipped; a concurrent twin waits on the marker's row lock and then skips.
-//!
-//! ```no_run
-//! use inbox_runtime::{Delivery, Inbox, Tx, WorkerBuilder, idempotent};
-//! use sqlx::Postgres;
-//!
-//! #[derive(serde::Deserialize)]
-//! struct CreditRequested { id: String, account: i64, amount: i64 }
-//!
-//! #[idempotent(consumer = "credit", key = msg.id)]
-//! async fn credit(msg: CreditRequested, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
-//!     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
-//!         .bind(msg.amount)
-//!         .bind(msg.account)
-//!         .execute(&mut **tx)
-//!         .await?;
-//!     Ok(())
-//! }
-//!
-//! # async fn run() -> Result<(), async_nats::Error> {
-//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
-//! let inbox = Inbox::new(pool);
-//! inbox.migrate().await?;
-//!
-//! // Without NATS: pool and message in, Ack or Skip out.
-//! let msg = CreditRequested { id: "m-1".into(), account: 1, amount: 5 };
-//! let outcome = inbox.process(&credit, &(), msg, &Delivery::new("credits")).await?;
-//!
-//! // On a JetStream durable pull consumer:
-//! let js = async_nats::jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
-//! let consumer = js.get_stream("CREDITS").await?.get_consumer("credit").await?;
-//! let shutdown = tokio_util::sync::CancellationToken::new();
-//! WorkerBuilder::new(inbox, &js, consumer).build(credit)?.run_until(shutdown).await;
-//! # Ok(()) }
-//! ```
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+#[cfg(not(any(feature = "postgres", feature = "mysql", feature = "sqlite")))]
+compile_error!(
+    "inbox-runtime needs a database: enable at least one of its features `postgres`, `mysql`, `sqlite`"
+);
 
 mod app;
 mod backend;
@@ -49,11 +16,13 @@ mod cleanup;
 mod delivery;
 mod handler;
 mod key;
+pub mod metrics;
 mod store;
 mod worker;
 
-pub use app::{App, AppError, AppStats, Durable, recommended_consumer};
+pub use app::{App, AppError, AppStats, Durable, Health, HealthReport, recommended_consumer};
 #[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use backend::sqlite_options;
 pub use backend::{InboxBackend, InvalidTableName, TableName, is_transient};
 pub use backoff::Backoff;
@@ -61,8 +30,9 @@ pub use claim::{Claim, DEFAULT_LEASE, OpenClaim, idempotency_key};
 pub use classify::{ErrorClass, Permanent, Transient, classify};
 pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
 #[cfg(feature = "msgpack")]
+#[cfg_attr(docsrs, doc(cfg(feature = "msgpack")))]
 pub use delivery::MsgPack;
-pub use delivery::{Codec, Delivery, Json, Raw};
+pub use delivery::{Codec, Delivery, Json, Raw, TraceParent};
 pub use handler::{BoxError, Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
 

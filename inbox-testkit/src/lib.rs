@@ -20,6 +20,7 @@
 mod credit;
 mod db;
 mod nats;
+mod pg;
 mod proxy;
 mod sink;
 mod wait;
@@ -30,6 +31,7 @@ pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
     publish_acked, publish_and_wait, publish_raw,
 };
+pub use pg::PrivatePostgres;
 pub use proxy::TcpProxy;
 pub use sink::{Flaky, Sink, SinkCall, overlaps, why_again};
 pub use wait::{Poll, wait_until};

@@ -20,6 +20,8 @@ pub struct PrivateNats {
     pub port: u16,
     binary: PathBuf,
     store: PathBuf,
+    /// A configuration file (`-c`), when started with one.
+    config: Option<PathBuf>,
     child: Option<Child>,
 }
 
@@ -62,12 +64,36 @@ impl PrivateNats {
 
     /// Starts the server `binary` and waits until it answers.
     pub async fn start_binary(binary: PathBuf) -> Result<PrivateNats, String> {
+        Self::start_configured(binary, None).await
+    }
+
+    /// Starts a server ([`nats_server_binary`]) with the configuration file `config` (its
+    /// text: `authorization { .. }`, say) besides the port, store and JetStream.
+    pub async fn start_with_config(config: &str) -> Result<PrivateNats, String> {
+        Self::start_configured(nats_server_binary()?, Some(config)).await
+    }
+
+    async fn start_configured(
+        binary: PathBuf,
+        config: Option<&str>,
+    ) -> Result<PrivateNats, String> {
         let port = free_port()?;
+        let store = std::env::temp_dir().join(unique("inbox-nats-"));
+        let config = match config {
+            None => None,
+            Some(text) => {
+                std::fs::create_dir_all(&store).map_err(|e| format!("{}: {e}", store.display()))?;
+                let path = store.join("nats-server.conf");
+                std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+                Some(path)
+            }
+        };
         let mut nats = PrivateNats {
             url: format!("nats://127.0.0.1:{port}"),
             port,
             binary,
-            store: std::env::temp_dir().join(unique("inbox-nats-")),
+            store,
+            config,
             child: None,
         };
         nats.restart().await?;
@@ -91,7 +117,11 @@ impl PrivateNats {
     /// 30 s) until it answers.
     pub async fn restart(&mut self) -> Result<(), String> {
         self.kill();
-        let child = Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(config) = &self.config {
+            command.arg("-c").arg(config);
+        }
+        let child = command
             .args([
                 "-a",
                 "127.0.0.1",

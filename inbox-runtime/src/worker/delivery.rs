@@ -96,6 +96,7 @@ where
         shutdown: CancellationToken,
     ) {
         let _permit = permit;
+        let _in_flight = crate::metrics::in_flight(H::CONSUMER);
         let delivery = match message.info() {
             Ok(info) => Delivery::of(&message, &info),
             Err(e) => {
@@ -104,6 +105,12 @@ where
             }
         };
         // At debug level: a span per message is work on the hot path no one asked for at info.
+        // A producer's W3C trace context, when it sent one: the span names the trace and the
+        // producer's span as its parent, so that the message's logs join the producer's trace.
+        let (trace_id, parent_span_id) = match delivery.trace_parent() {
+            Some(tp) => (Some(tp.trace_id), Some(tp.parent_id)),
+            None => (None, None),
+        };
         let span = tracing::debug_span!(
             "inbox.message",
             consumer = H::CONSUMER,
@@ -111,6 +118,8 @@ where
             stream_seq = delivery.stream_seq,
             delivered = delivery.delivered,
             outcome = field::Empty,
+            trace_id,
+            parent_span_id,
         );
         async {
             let limits = &self.settings.limits;
@@ -150,6 +159,7 @@ where
         // Recorded before acting, so that what is logged while answering carries it.
         let outcome = |name: &'static str| {
             span.record("outcome", name);
+            crate::metrics::answered(H::CONSUMER, name);
         };
         let counters = &self.counters;
         let counter = match verdict {
@@ -282,7 +292,9 @@ where
             Backoff::new(Duration::from_millis(100), Duration::from_secs(5)).with_jitter();
         loop {
             let deadline = self.settings.deadline;
+            let started = std::time::Instant::now();
             let tried = tokio::time::timeout(deadline, self.process(message, delivery)).await;
+            crate::metrics::tried(H::CONSUMER, started.elapsed());
             let err = match tried {
                 Ok(Ok(outcome)) => {
                     self.circuit.close();
@@ -303,9 +315,13 @@ where
             {
                 let wait = *remaining + Duration::from_millis(100);
                 tracing::debug!(retry_in = ?wait, "claim held by another owner on the last delivery; waiting");
+                let waiting = std::time::Instant::now();
                 tokio::select! {
                     _ = shutdown.cancelled() => return Err((err, class)),
-                    _ = tokio::time::sleep(wait) => continue,
+                    _ = tokio::time::sleep(wait) => {
+                        crate::metrics::claim_waited(H::CONSUMER, waiting.elapsed());
+                        continue;
+                    }
                 }
             }
             // A lost connection in the chain may be another database's (a handler's own pool):
@@ -328,6 +344,7 @@ where
                 return Err((err, class));
             };
             tracing::debug!(error = %err, attempt, retry_in = ?wait, "transient failure; retrying");
+            crate::metrics::retried(H::CONSUMER);
             tokio::time::sleep(wait).await;
             attempt += 1;
         }

@@ -175,6 +175,7 @@ where
     /// was fetched but not started, lets in-flight messages finish and ack, flushes, and returns
     /// what it did. Pull errors (NATS down, say) are retried with capped backoff.
     pub async fn run_until(&self, shutdown: CancellationToken) -> Stats {
+        crate::metrics::describe();
         tracing::info!(
             consumer = H::CONSUMER,
             durable = %self.inner.consumer.cached_info().name,
@@ -247,6 +248,8 @@ async fn sweep_open_claims<H: Handler>(
                     .counters
                     .open_claims
                     .store(open.len() as u64, Ordering::Relaxed);
+                let oldest = open.iter().map(|c| c.age).max().unwrap_or_default();
+                crate::metrics::open_claims(H::CONSUMER, open.len(), oldest);
             }
             Err(e) => {
                 tracing::debug!(consumer = H::CONSUMER, error = %e, "listing open claims failed")

@@ -1,0 +1,121 @@
+//! What the runtime reports through the [`metrics`](https://docs.rs/metrics) facade: nothing
+//! costs more than an atomic add unless the application installs a recorder (for example
+//! `metrics-exporter-prometheus`, as the examples do). Every series has the label `consumer`
+//! (the handler's consumer name).
+//!
+//! | name | kind | what |
+//! |---|---|---|
+//! | `inbox_messages_total` | counter | deliveries answered, by `outcome`: `ack` (effect committed), `skip` (duplicate), `nak` (redelivered later), `dead_letter` |
+//! | `inbox_retries_total` | counter | in-process retries of a transient failure |
+//! | `inbox_handler_seconds` | histogram | one try of a delivery: claim, handler and commit |
+//! | `inbox_claim_wait_seconds` | histogram | two-phase: time a delivery waited out another owner's lease on its last delivery |
+//! | `inbox_in_flight` | gauge | deliveries being processed |
+//! | `inbox_cleanup_deleted_total` | counter | markers deleted by cleanup |
+//! | `inbox_cleanup_last_success_timestamp_seconds` | gauge | Unix time of the last cleanup pass that ran (lag: now minus this) |
+//! | `inbox_open_claims` | gauge | two-phase: claims open past the sweeper's threshold |
+//! | `inbox_oldest_open_claim_seconds` | gauge | two-phase: age of the oldest of them (0 when none) |
+
+use std::time::Duration;
+
+/// `inbox_messages_total`.
+pub const MESSAGES: &str = "inbox_messages_total";
+/// `inbox_retries_total`.
+pub const RETRIES: &str = "inbox_retries_total";
+/// `inbox_handler_seconds`.
+pub const HANDLER_SECONDS: &str = "inbox_handler_seconds";
+/// `inbox_claim_wait_seconds`.
+pub const CLAIM_WAIT_SECONDS: &str = "inbox_claim_wait_seconds";
+/// `inbox_in_flight`.
+pub const IN_FLIGHT: &str = "inbox_in_flight";
+/// `inbox_cleanup_deleted_total`.
+pub const CLEANUP_DELETED: &str = "inbox_cleanup_deleted_total";
+/// `inbox_cleanup_last_success_timestamp_seconds`.
+pub const CLEANUP_LAST_SUCCESS: &str = "inbox_cleanup_last_success_timestamp_seconds";
+/// `inbox_open_claims`.
+pub const OPEN_CLAIMS: &str = "inbox_open_claims";
+/// `inbox_oldest_open_claim_seconds`.
+pub const OLDEST_OPEN_CLAIM: &str = "inbox_oldest_open_claim_seconds";
+
+/// Registers the descriptions of every series, so that exporters show them (`# HELP`). Called
+/// when a worker starts; harmless when no recorder is installed.
+pub(crate) fn describe() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_counter!(
+        MESSAGES,
+        "Deliveries answered, by outcome (ack, skip, nak, dead_letter)."
+    );
+    describe_counter!(RETRIES, "In-process retries of transient failures.");
+    describe_histogram!(
+        HANDLER_SECONDS,
+        Unit::Seconds,
+        "One try of a delivery: claim, handler and commit."
+    );
+    describe_histogram!(
+        CLAIM_WAIT_SECONDS,
+        Unit::Seconds,
+        "Time waited out for another owner's lease on a last delivery."
+    );
+    describe_gauge!(IN_FLIGHT, "Deliveries being processed.");
+    describe_counter!(CLEANUP_DELETED, "Markers deleted by cleanup.");
+    describe_gauge!(
+        CLEANUP_LAST_SUCCESS,
+        Unit::Seconds,
+        "Unix time of the last cleanup pass that ran."
+    );
+    describe_gauge!(OPEN_CLAIMS, "Claims open past the sweeper's threshold.");
+    describe_gauge!(
+        OLDEST_OPEN_CLAIM,
+        Unit::Seconds,
+        "Age of the oldest claim open past the threshold."
+    );
+}
+
+/// Counts one delivery answered with `outcome`.
+pub(crate) fn answered(consumer: &'static str, outcome: &'static str) {
+    metrics::counter!(MESSAGES, "consumer" => consumer, "outcome" => outcome).increment(1);
+}
+
+/// Counts one in-process retry.
+pub(crate) fn retried(consumer: &'static str) {
+    metrics::counter!(RETRIES, "consumer" => consumer).increment(1);
+}
+
+/// Records one try's duration.
+pub(crate) fn tried(consumer: &'static str, took: Duration) {
+    metrics::histogram!(HANDLER_SECONDS, "consumer" => consumer).record(took.as_secs_f64());
+}
+
+/// Records a wait for another owner's lease.
+pub(crate) fn claim_waited(consumer: &'static str, took: Duration) {
+    metrics::histogram!(CLAIM_WAIT_SECONDS, "consumer" => consumer).record(took.as_secs_f64());
+}
+
+/// One more delivery in flight, until the guard is dropped.
+pub(crate) fn in_flight(consumer: &'static str) -> InFlight {
+    metrics::gauge!(IN_FLIGHT, "consumer" => consumer).increment(1.0);
+    InFlight(consumer)
+}
+
+/// Takes its delivery off [`IN_FLIGHT`] when dropped.
+pub(crate) struct InFlight(&'static str);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        metrics::gauge!(IN_FLIGHT, "consumer" => self.0).decrement(1.0);
+    }
+}
+
+/// A cleanup pass that ran and deleted `deleted` markers.
+pub(crate) fn cleaned(consumer: &'static str, deleted: u64) {
+    metrics::counter!(CLEANUP_DELETED, "consumer" => consumer).increment(deleted);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    metrics::gauge!(CLEANUP_LAST_SUCCESS, "consumer" => consumer).set(now.as_secs_f64());
+}
+
+/// What the sweeper found: how many claims are open past its threshold, and the oldest's age.
+pub(crate) fn open_claims(consumer: &'static str, open: usize, oldest: Duration) {
+    metrics::gauge!(OPEN_CLAIMS, "consumer" => consumer).set(open as f64);
+    metrics::gauge!(OLDEST_OPEN_CLAIM, "consumer" => consumer).set(oldest.as_secs_f64());
+}
