@@ -663,7 +663,7 @@ pub mod redact {
         }
     }
 
-    /// [`url`] for each server of a comma-separated list (`NATS_URL` may name several).
+    /// [`url()`] for each server of a comma-separated list (`NATS_URL` may name several).
     pub fn url_list(raw: &str) -> String {
         raw.split(',').map(url).collect::<Vec<_>>().join(",")
     }
@@ -750,7 +750,7 @@ pub mod redact {
     }
 
     impl Secrets {
-        /// Adds the credentials of `raw`: those [`url`] masks, as written and percent-decoded.
+        /// Adds the credentials of `raw`: those [`url()`] masks, as written and percent-decoded.
         /// When `raw` cannot be taken apart, everything before its last `@` (whole, and after
         /// its first `:`) and the values of its secret query parameters.
         pub fn add_url(&mut self, raw: &str) {

@@ -1,4 +1,4 @@
-//! The `orders` example: two handlers in one process on one [`App`], sharing one PostgreSQL
+//! The `orders` example: two handlers in one process on one [`App`], sharing one database
 //! pool, one NATS connection and one state.
 //!
 //! - `place_order` (consumer `orders`, subject `<prefix>.placed`): `{"order_id", "sku",
@@ -12,9 +12,8 @@
 //! [`inbox_runtime::recommended_consumer`]. SIGINT or SIGTERM drains both handlers.
 
 use crate::{Error, Vars, db_start_error, redact, server_pool, until_up};
-use inbox_runtime::{App, AppStats, Delivery, Durable, Inbox, Stats, Tx, idempotent};
+use inbox_runtime::{App, AppStats, Durable, Handler, Inbox, Stats};
 use serde::{Deserialize, Serialize};
-use sqlx::{PgPool, Postgres};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -60,72 +59,142 @@ impl Shop {
     }
 }
 
-/// Records the order and reserves its stock.
-#[idempotent(consumer = "orders", key = msg.order_id)]
-pub async fn place_order(
-    msg: OrderPlaced,
-    shop: &Arc<Shop>,
-    tx: &mut Tx<Postgres>,
-) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO orders (id, sku, quantity) VALUES ($1, $2, $3)")
-        .bind(msg.order_id)
-        .bind(&msg.sku)
-        .bind(msg.quantity)
-        .execute(&mut **tx)
-        .await?;
-    reserve(tx, &msg.sku, msg.quantity).await?;
-    shop.hold("orders", &msg.order_id.to_string()).await;
-    Ok(())
+/// The two handlers and the table set-up for one database: only the SQL dialect differs.
+macro_rules! orders_handlers {
+    (
+        $db:ty,
+        insert_order = $insert_order:literal,
+        reserve = $reserve:literal,
+        adjust = $adjust:literal $(,)?
+    ) => {
+        use super::{OrderPlaced, Shop, StockAdjusted};
+        use inbox_runtime::{Delivery, Tx, idempotent};
+        use std::sync::Arc;
+
+        /// Records the order and reserves its stock.
+        #[idempotent(consumer = "orders", key = msg.order_id)]
+        pub async fn place_order(
+            msg: OrderPlaced,
+            shop: &Arc<Shop>,
+            tx: &mut Tx<$db>,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::query($insert_order)
+                .bind(msg.order_id)
+                .bind(&msg.sku)
+                .bind(msg.quantity)
+                .execute(&mut **tx)
+                .await?;
+            reserve(tx, &msg.sku, msg.quantity).await?;
+            shop.hold("orders", &msg.order_id.to_string()).await;
+            Ok(())
+        }
+
+        /// A helper a handler calls with its transaction: `&mut Tx<'_, DB>` outside the macro.
+        async fn reserve(
+            tx: &mut Tx<'_, $db>,
+            sku: &str,
+            quantity: i64,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::query($reserve)
+                .bind(sku)
+                .bind(quantity)
+                .execute(&mut **tx)
+                .await?;
+            Ok(())
+        }
+
+        /// Changes the stock on hand, once per `Idempotency-Key`.
+        #[idempotent(consumer = "inventory", key = delivery.header("Idempotency-Key"))]
+        pub async fn adjust_stock(
+            msg: StockAdjusted,
+            delivery: &Delivery,
+            shop: &Arc<Shop>,
+            tx: &mut Tx<$db>,
+        ) -> Result<(), sqlx::Error> {
+            sqlx::query($adjust)
+                .bind(&msg.sku)
+                .bind(msg.delta)
+                .execute(&mut **tx)
+                .await?;
+            let key = delivery.header("Idempotency-Key").unwrap_or_default();
+            shop.hold("inventory", key).await;
+            Ok(())
+        }
+    };
 }
 
-/// A helper a handler calls with its transaction: `&mut Tx<'_, Postgres>` outside the macro.
-async fn reserve(tx: &mut Tx<'_, Postgres>, sku: &str, quantity: i64) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO stock (sku, on_hand, reserved) VALUES ($1, 0, $2) \
-         ON CONFLICT (sku) DO UPDATE SET reserved = stock.reserved + EXCLUDED.reserved",
-    )
-    .bind(sku)
-    .bind(quantity)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
+/// The handlers on PostgreSQL.
+pub mod postgres {
+    orders_handlers!(
+        sqlx::Postgres,
+        insert_order = "INSERT INTO orders (id, sku, quantity) VALUES ($1, $2, $3)",
+        reserve = "INSERT INTO stock (sku, on_hand, reserved) VALUES ($1, 0, $2) \
+                   ON CONFLICT (sku) DO UPDATE SET reserved = stock.reserved + EXCLUDED.reserved",
+        adjust = "INSERT INTO stock (sku, on_hand, reserved) VALUES ($1, $2, 0) \
+                  ON CONFLICT (sku) DO UPDATE SET on_hand = stock.on_hand + EXCLUDED.on_hand",
+    );
 
-/// Changes the stock on hand, once per `Idempotency-Key`.
-#[idempotent(consumer = "inventory", key = delivery.header("Idempotency-Key"))]
-pub async fn adjust_stock(
-    msg: StockAdjusted,
-    delivery: &Delivery,
-    shop: &Arc<Shop>,
-    tx: &mut Tx<Postgres>,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO stock (sku, on_hand, reserved) VALUES ($1, $2, 0) \
-         ON CONFLICT (sku) DO UPDATE SET on_hand = stock.on_hand + EXCLUDED.on_hand",
-    )
-    .bind(&msg.sku)
-    .bind(msg.delta)
-    .execute(&mut **tx)
-    .await?;
-    let key = delivery.header("Idempotency-Key").unwrap_or_default();
-    shop.hold("inventory", key).await;
-    Ok(())
-}
-
-/// Creates `orders` and `stock` when missing (serialised by an advisory lock, as concurrent
-/// `CREATE TABLE IF NOT EXISTS` can collide in PostgreSQL's catalog).
-pub async fn create_tables(pool: &PgPool) -> Result<(), sqlx::Error> {
-    let mut tx = pool.begin().await?;
-    sqlx::query("SELECT pg_advisory_xact_lock(hashtext('inbox-examples orders'))")
-        .execute(&mut *tx)
-        .await?;
-    for ddl in [
-        "CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, sku TEXT NOT NULL, quantity BIGINT NOT NULL)",
-        "CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, on_hand BIGINT NOT NULL, reserved BIGINT NOT NULL)",
-    ] {
-        sqlx::query(ddl).execute(&mut *tx).await?;
+    /// Creates `orders` and `stock` when missing (serialised by an advisory lock, as
+    /// concurrent `CREATE TABLE IF NOT EXISTS` can collide in PostgreSQL's catalog).
+    pub async fn create_tables(pool: &sqlx::PgPool) -> Result<(), sqlx::Error> {
+        let mut tx = pool.begin().await?;
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('inbox-examples orders'))")
+            .execute(&mut *tx)
+            .await?;
+        for ddl in [
+            "CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, sku TEXT NOT NULL, quantity BIGINT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, on_hand BIGINT NOT NULL, reserved BIGINT NOT NULL)",
+        ] {
+            sqlx::query(ddl).execute(&mut *tx).await?;
+        }
+        tx.commit().await
     }
-    tx.commit().await
+}
+
+/// The handlers on MySQL and MariaDB.
+pub mod mysql {
+    orders_handlers!(
+        sqlx::MySql,
+        insert_order = "INSERT INTO orders (id, sku, quantity) VALUES (?, ?, ?)",
+        reserve = "INSERT INTO stock (sku, on_hand, reserved) VALUES (?, 0, ?) \
+                   ON DUPLICATE KEY UPDATE reserved = reserved + VALUES(reserved)",
+        adjust = "INSERT INTO stock (sku, on_hand, reserved) VALUES (?, ?, 0) \
+                  ON DUPLICATE KEY UPDATE on_hand = on_hand + VALUES(on_hand)",
+    );
+
+    /// Creates `orders` and `stock` when missing.
+    pub async fn create_tables(pool: &sqlx::MySqlPool) -> Result<(), sqlx::Error> {
+        for ddl in [
+            "CREATE TABLE IF NOT EXISTS orders (id BIGINT PRIMARY KEY, sku VARCHAR(64) NOT NULL, quantity BIGINT NOT NULL) ENGINE = InnoDB",
+            "CREATE TABLE IF NOT EXISTS stock (sku VARCHAR(64) PRIMARY KEY, on_hand BIGINT NOT NULL, reserved BIGINT NOT NULL) ENGINE = InnoDB",
+        ] {
+            sqlx::query(ddl).execute(pool).await?;
+        }
+        Ok(())
+    }
+}
+
+/// The handlers on SQLite.
+pub mod sqlite {
+    orders_handlers!(
+        sqlx::Sqlite,
+        insert_order = "INSERT INTO orders (id, sku, quantity) VALUES (?1, ?2, ?3)",
+        reserve = "INSERT INTO stock (sku, on_hand, reserved) VALUES (?1, 0, ?2) \
+                   ON CONFLICT (sku) DO UPDATE SET reserved = reserved + excluded.reserved",
+        adjust = "INSERT INTO stock (sku, on_hand, reserved) VALUES (?1, ?2, 0) \
+                  ON CONFLICT (sku) DO UPDATE SET on_hand = on_hand + excluded.on_hand",
+    );
+
+    /// Creates `orders` and `stock` when missing.
+    pub async fn create_tables(pool: &sqlx::SqlitePool) -> Result<(), sqlx::Error> {
+        for ddl in [
+            "CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, sku TEXT NOT NULL, quantity INTEGER NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS stock (sku TEXT PRIMARY KEY, on_hand INTEGER NOT NULL, reserved INTEGER NOT NULL)",
+        ] {
+            sqlx::query(ddl).execute(pool).await?;
+        }
+        Ok(())
+    }
 }
 
 /// The example's configuration, from the environment.
@@ -137,7 +206,8 @@ pub struct OrdersConfig {
     pub nats_auth: crate::NatsAuth,
     /// `METRICS_ADDR`: where `/metrics` and `/healthz` are served (unset: not served).
     pub metrics: Option<std::net::SocketAddr>,
-    /// `DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test` (PostgreSQL only).
+    /// `DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`; `postgres://`,
+    /// `mysql://` (or `mariadb://`) or `sqlite://`.
     pub database_url: String,
     /// `ORDERS_STREAM`, default `ORDERS`.
     pub stream: String,
@@ -146,7 +216,7 @@ pub struct OrdersConfig {
     pub prefix: String,
     /// `ORDERS_POOL`: the pool's size, split between the handlers by the `App`; default 8.
     pub pool: u32,
-    /// `ORDERS_TEST_HOLD_MS` (tests only): see [`Shop::hold`].
+    /// `ORDERS_TEST_HOLD_MS` (tests only): see [`Shop`].
     pub hold: Duration,
 }
 
@@ -190,7 +260,7 @@ impl OrdersConfig {
     }
 }
 
-/// Connects (waiting out NATS and PostgreSQL being down at start, until `startup` is
+/// Connects (waiting out NATS and the database being down at start, until `startup` is
 /// cancelled), creates the tables, migrates the inbox, and runs both handlers on one [`App`]
 /// until SIGINT or SIGTERM. Returns each handler's counters.
 pub async fn run(config: &OrdersConfig, startup: CancellationToken) -> Result<AppStats, Error> {
@@ -201,46 +271,99 @@ pub async fn run(config: &OrdersConfig, startup: CancellationToken) -> Result<Ap
     let js = async_nats::jetstream::new(client);
     let shown = redact::url(&config.database_url);
     let scheme = config.database_url.split_once(':').map_or("", |(s, _)| s);
-    if !matches!(scheme, "postgres" | "postgresql") {
-        return Err(format!("DATABASE_URL {shown}: the orders example runs on PostgreSQL").into());
-    }
-    let options: sqlx::postgres::PgConnectOptions = config
-        .database_url
-        .parse()
-        .map_err(|e| format!("DATABASE_URL {shown}: {e}"))?;
-    let connect = || {
-        let pool = server_pool::<Postgres>(config.pool).connect_with(options.clone());
-        async {
-            pool.await
-                .map_err(|e| db_start_error::<Postgres>(&shown, e))
+    let url = config.database_url.as_str();
+    let bad_url = |e: sqlx::Error| format!("DATABASE_URL {shown}: {e}");
+    let on = Serve {
+        config,
+        js,
+        shown: &shown,
+        startup,
+    };
+    match scheme {
+        "postgres" | "postgresql" => {
+            let pool = server_pool::<sqlx::Postgres>(config.pool);
+            let options = url.parse().map_err(bad_url)?;
+            on.serve(pool, options, postgres::create_tables, (postgres::place_order, postgres::adjust_stock))
+                .await
         }
-    };
-    let Some(pool) = until_up("the database", &startup, connect).await? else {
-        return Ok(AppStats::new());
-    };
-    create_tables(&pool).await?;
-    let inbox = Inbox::new(pool.clone());
-    inbox.migrate().await?;
-
-    let shop = Arc::new(Shop { hold: config.hold });
-    let stream = async_nats::jetstream::stream::Config {
-        subjects: vec![format!("{}.>", config.prefix)],
-        max_age: crate::MAX_AGE,
-        ..Default::default()
-    };
-    let durable = |name: &str, suffix: &str| {
-        Durable::recommended(&config.stream, name, format!("{}.{suffix}", config.prefix))
-            .with_stream(stream.clone())
-    };
-    let app = App::new(inbox, &js)
-        .handler_with_state(place_order, shop.clone(), durable("orders", "placed"))
-        .handler_with_state(adjust_stock, shop, durable("inventory", "stock"));
-    if let Some(addr) = config.metrics {
-        crate::observe::serve(addr, app.health()).await?;
+        "mysql" | "mariadb" => {
+            let pool = server_pool::<sqlx::MySql>(config.pool);
+            let options = url.parse().map_err(bad_url)?;
+            on.serve(pool, options, mysql::create_tables, (mysql::place_order, mysql::adjust_stock))
+                .await
+        }
+        "sqlite" => {
+            // One writer at a time: a connection per handler is all SQLite can use.
+            let pool = sqlx::pool::PoolOptions::<sqlx::Sqlite>::new()
+                .max_connections(2)
+                .test_before_acquire(false);
+            let options = inbox_runtime::sqlite_options(url).map_err(bad_url)?;
+            on.serve(pool, options, sqlite::create_tables, (sqlite::place_order, sqlite::adjust_stock))
+                .await
+        }
+        _ => Err(format!(
+            "DATABASE_URL {shown} is not supported: use postgres://, mysql:// (or mariadb://) or sqlite://"
+        )
+        .into()),
     }
-    let stats = app.run().await?;
-    pool.close().await;
-    Ok(stats)
+}
+
+/// Where the app runs, once NATS is up.
+struct Serve<'a> {
+    config: &'a OrdersConfig,
+    js: async_nats::jetstream::Context,
+    /// `DATABASE_URL`, redacted.
+    shown: &'a str,
+    startup: CancellationToken,
+}
+
+impl Serve<'_> {
+    /// Opens the pool (waiting out a database that is down), creates the tables, migrates the
+    /// inbox, and runs both handlers on one [`App`] until SIGINT or SIGTERM.
+    async fn serve<DB, O, I>(
+        self,
+        pool: sqlx::pool::PoolOptions<DB>,
+        options: <DB::Connection as sqlx::Connection>::Options,
+        create_tables: impl AsyncFnOnce(&sqlx::Pool<DB>) -> Result<(), sqlx::Error>,
+        (orders, inventory): (O, I),
+    ) -> Result<AppStats, Error>
+    where
+        DB: inbox_runtime::InboxBackend,
+        O: Handler<Db = DB, State = Arc<Shop>>,
+        I: Handler<Db = DB, State = Arc<Shop>>,
+    {
+        let (config, shown) = (self.config, self.shown);
+        let connect = || {
+            let pool = pool.clone().connect_with(options.clone());
+            async move { pool.await.map_err(|e| db_start_error::<DB>(shown, e)) }
+        };
+        let Some(pool) = until_up("the database", &self.startup, connect).await? else {
+            return Ok(AppStats::new());
+        };
+        create_tables(&pool).await?;
+        let inbox = Inbox::new(pool.clone());
+        inbox.migrate().await?;
+
+        let shop = Arc::new(Shop { hold: config.hold });
+        let stream = async_nats::jetstream::stream::Config {
+            subjects: vec![format!("{}.>", config.prefix)],
+            max_age: crate::MAX_AGE,
+            ..Default::default()
+        };
+        let durable = |name: &str, suffix: &str| {
+            Durable::recommended(&config.stream, name, format!("{}.{suffix}", config.prefix))
+                .with_stream(stream.clone())
+        };
+        let app = App::new(inbox, &self.js)
+            .handler_with_state(orders, shop.clone(), durable("orders", "placed"))
+            .handler_with_state(inventory, shop, durable("inventory", "stock"));
+        if let Some(addr) = config.metrics {
+            crate::observe::serve(addr, app.health()).await?;
+        }
+        let stats = app.run().await?;
+        pool.close().await;
+        Ok(stats)
+    }
 }
 
 /// The counters of every handler, added up.

@@ -79,11 +79,7 @@ impl Credit {
     /// SIGTERM, as an operator stops it.
     fn sigterm(&self) {
         let pid = self.child.id().expect("credit has already exited");
-        let status = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status()
-            .expect("run kill");
-        assert!(status.success(), "kill -TERM {pid}: {status}");
+        inbox_testkit::terminate(pid).unwrap_or_else(|e| panic!("{e}"));
     }
 
     /// Waits for it to exit.

@@ -78,6 +78,13 @@ impl EmailConfig {
     }
 }
 
+/// Sends SIGTERM to process `pid`, as an operator stopping it would.
+pub fn terminate(pid: u32) -> Result<(), String> {
+    use nix::sys::signal::{Signal, kill};
+    kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGTERM)
+        .map_err(|e| format!("kill -TERM {pid}: {e}"))
+}
+
 /// A running example process (`credit` or `email`). Its stdout is piped (it prints one summary line there when it
 /// stops); its log (stderr) is appended to a file or discarded. Killed if dropped while running.
 #[derive(Debug)]
@@ -188,18 +195,18 @@ impl CreditProcess {
         self.signal("CONT")
     }
 
-    /// Sends signal `name` (`TERM`, `STOP`, `CONT`) with `kill`.
+    /// Sends signal `name` (`TERM`, `STOP`, `CONT`).
     fn signal(&self, name: &str) -> Result<(), String> {
+        use nix::sys::signal::{Signal, kill};
         let pid = self
             .child
             .id()
             .ok_or_else(|| format!("{} has already exited", self.name))?;
-        let status = std::process::Command::new("kill")
-            .args([&format!("-{name}"), &pid.to_string()])
-            .status()
-            .map_err(|e| format!("cannot run kill: {e}"))?;
-        let failed = || format!("kill -{name} {pid} failed ({status})");
-        status.success().then_some(()).ok_or_else(failed)
+        let signal: Signal = format!("SIG{name}")
+            .parse()
+            .map_err(|e| format!("signal {name}: {e}"))?;
+        kill(nix::unistd::Pid::from_raw(pid as i32), signal)
+            .map_err(|e| format!("kill -{name} {pid} ({}): {e}", self.name))
     }
 
     /// Kills it at once (SIGKILL), as a crash would, and reaps it.

@@ -25,7 +25,7 @@ mod proxy;
 mod sink;
 mod wait;
 
-pub use credit::{CreditConfig, CreditProcess, EmailConfig, Summary};
+pub use credit::{CreditConfig, CreditProcess, EmailConfig, Summary, terminate};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,

@@ -2,7 +2,7 @@
 //! publishing and awaiting every PubAck (counted, or kept to know where each message was
 //! stored), and a consumer's backlog.
 
-use crate::{unique, wait_until};
+use crate::wait_until;
 use async_nats::HeaderMap;
 use async_nats::jetstream::{self, consumer::PullConsumer, publish::PublishAck};
 use std::path::PathBuf;
@@ -19,7 +19,8 @@ pub struct PrivateNats {
     /// The port it listens on, the same across restarts.
     pub port: u16,
     binary: PathBuf,
-    store: PathBuf,
+    /// Removed when dropped.
+    store: tempfile::TempDir,
     /// A configuration file (`-c`), when started with one.
     config: Option<PathBuf>,
     child: Option<Child>,
@@ -78,12 +79,14 @@ impl PrivateNats {
         config: Option<&str>,
     ) -> Result<PrivateNats, String> {
         let port = free_port()?;
-        let store = std::env::temp_dir().join(unique("inbox-nats-"));
+        let store = tempfile::Builder::new()
+            .prefix("inbox-nats-")
+            .tempdir()
+            .map_err(|e| format!("a temporary directory for nats-server: {e}"))?;
         let config = match config {
             None => None,
             Some(text) => {
-                std::fs::create_dir_all(&store).map_err(|e| format!("{}: {e}", store.display()))?;
-                let path = store.join("nats-server.conf");
+                let path = store.path().join("nats-server.conf");
                 std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
                 Some(path)
             }
@@ -130,7 +133,8 @@ impl PrivateNats {
                 "-js",
                 "-sd",
             ])
-            .arg(&self.store)
+            // The store proper, beside the configuration file.
+            .arg(self.store.path().join("jetstream"))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -148,7 +152,6 @@ impl PrivateNats {
 impl Drop for PrivateNats {
     fn drop(&mut self) {
         self.kill();
-        let _ = std::fs::remove_dir_all(&self.store);
     }
 }
 

@@ -2,7 +2,7 @@
 //! self-signed certificate, and only TLS connections accepted over TCP, on a free loopback port.
 //! Stopped, and its directory removed, when dropped.
 
-use crate::{unique, wait_until};
+use crate::wait_until;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -13,7 +13,8 @@ use std::time::Duration;
 pub struct PrivatePostgres {
     /// The port it listens on (127.0.0.1).
     pub port: u16,
-    dir: PathBuf,
+    /// Removed when dropped, after the server is stopped.
+    dir: tempfile::TempDir,
     child: Option<Child>,
 }
 
@@ -65,13 +66,16 @@ impl PrivatePostgres {
     /// `localhost`), starts the server and waits (up to 60 s) until it accepts connections.
     pub async fn start_with_tls() -> Result<PrivatePostgres, String> {
         let bin = pg_bin()?;
-        let dir = std::env::temp_dir().join(unique("inbox-pg-"));
+        let temp = tempfile::Builder::new()
+            .prefix("inbox-pg-")
+            .tempdir()
+            .map_err(|e| format!("a temporary directory for PostgreSQL: {e}"))?;
+        let dir = temp.path().to_owned();
         let data = dir.join("data");
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
         let port = crate::nats::free_port()?;
         let mut pg = PrivatePostgres {
             port,
-            dir: dir.clone(),
+            dir: temp,
             child: None,
         };
         run(
@@ -153,16 +157,20 @@ fn is_root() -> bool {
 impl Drop for PrivatePostgres {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
-            // `runuser` passes SIGKILL on to nobody: stop the server itself by its pid file.
-            let pid = std::fs::read_to_string(self.dir.join("data/postmaster.pid"))
+            // A SIGKILL of `runuser` would leave the server running: stop the server itself, by
+            // its pid file.
+            let pid = std::fs::read_to_string(self.dir.path().join("data/postmaster.pid"))
                 .ok()
                 .and_then(|t| t.lines().next().map(str::to_owned));
-            if let Some(pid) = pid {
-                let _ = Command::new("kill").args(["-QUIT", &pid]).status();
+            if let Some(pid) = pid.and_then(|p| p.trim().parse::<i32>().ok()) {
+                // Immediate shutdown: the cluster is thrown away.
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGQUIT,
+                );
             }
             let _ = child.kill();
             let _ = child.wait();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

