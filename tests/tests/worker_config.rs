@@ -190,3 +190,70 @@ async fn bad_configurations_are_rejected_at_build() {
     let short_lease = inbox.lease(Duration::from_secs(20));
     assert!(nats.worker(short_lease, ok).build(leased).is_ok());
 }
+
+#[tokio::test]
+async fn an_app_refuses_shared_names_and_an_oversubscribed_pool() {
+    use inbox_runtime::{App, AppError, Durable};
+    let db = Postgres::create(2).await;
+    let inbox = inbox_runtime::Inbox::new(db.pool.clone());
+    inbox.migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    let bounded = || pull::Config {
+        max_deliver: 5,
+        ..Default::default()
+    };
+    for name in ["one", "two"] {
+        consumer(&nats, name, bounded()).await;
+    }
+    let on = |name: &str| Durable::existing(&nats.stream, name);
+    let stop = tokio_util::sync::CancellationToken::new();
+
+    // Two handlers with one consumer name: refused, naming both.
+    let err = App::new(inbox.clone(), &nats.js)
+        .handler(fine, on("one"))
+        .handler(also_fine, on("two"))
+        .run_until(stop.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AppError::DuplicateConsumer { .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("also_fine") && text.contains("::fine"),
+        "{text}"
+    );
+
+    // Two handlers on one durable consumer: each would get part of the messages.
+    let err = App::new(inbox.clone(), &nats.js)
+        .handler(fine, on("one"))
+        .handler(leased, on("one"))
+        .run_until(stop.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AppError::DuplicateDurable { .. }), "{err}");
+
+    // A pool of 2 cannot give 2 to one handler and 1 (+1 for lease renewals) to a two-phase one.
+    let err = App::new(inbox.clone(), &nats.js)
+        .handler_configured(fine, (), on("one"), |w| w.concurrency(2))
+        .handler(leased, on("two"))
+        .run_until(stop.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, AppError::PoolTooSmall { .. }), "{err}");
+    assert!(err.to_string().contains("need 4"), "{err}");
+
+    // A consumer the app creates with the recommended configuration; run until stopped.
+    stop.cancel();
+    let stats = App::new(inbox.clone(), &nats.js)
+        .handler(
+            fine,
+            Durable::recommended(&nats.stream, "made", &nats.subject),
+        )
+        .run_until(stop.clone())
+        .await
+        .unwrap();
+    assert_eq!(stats.keys().copied().collect::<Vec<_>>(), vec!["fine"]);
+    let made = nats.info("made").await;
+    assert_eq!(made.config.max_deliver, 10);
+    assert_eq!(made.config.ack_policy, AckPolicy::Explicit);
+    assert_eq!(made.config.filter_subject, nats.subject);
+}

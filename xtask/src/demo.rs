@@ -296,13 +296,7 @@ async fn email_demo(
         children.push(config.spawn(Some(&log))?);
     }
     // The processes create the stream; publish once it exists.
-    let mut poll = Poll::new("the email stream", DEADLINE);
-    while js.get_stream(&config.stream).await.is_err() {
-        if children.iter_mut().any(CreditProcess::has_exited) {
-            return Err(format!("an email process exited; see {}", logs.display()));
-        }
-        poll.tick().await?;
-    }
+    stream_created(js, &config.stream, &mut children, logs).await?;
     let published = requests.len();
     println!(
         "publishing {published} e-mail requests to {} ({EMAILS} unique, {} re-published copies)...",
@@ -314,29 +308,14 @@ async fn email_demo(
         "SELECT count(*) FROM inbox WHERE consumer = 'email' AND processed_at IS NOT NULL \
          AND message_key LIKE 'email-{run}-%'"
     );
-    let mut poll = Poll::new("the e-mails to be sent", DEADLINE);
-    let finished = loop {
-        let done: i64 = sqlx::query_scalar(AssertSqlSafe(done_sql.clone()))
-            .fetch_one(pool)
-            .await
-            .unwrap_or(0);
-        let drained = backlog(js, &config.stream, &config.consumer)
-            .await
-            .is_ok_and(|b| b.drained());
-        if done == EMAILS as i64 && drained {
-            break true;
-        }
-        if children.iter_mut().any(CreditProcess::has_exited) || poll.tick().await.is_err() {
-            break false;
-        }
-    };
-    let mut applied = 0;
-    let mut skipped = 0;
-    for child in children {
-        let summary = child.stop(Duration::from_secs(30)).await?;
-        applied += summary.applied;
-        skipped += summary.skipped;
-    }
+    let finished = until_done("the e-mails to be sent", &mut children, async || {
+        count(pool, &done_sql).await == EMAILS as i64
+            && backlog(js, &config.stream, &config.consumer)
+                .await
+                .is_ok_and(|b| b.drained())
+    })
+    .await;
+    let (applied, skipped) = stop_all(children).await?;
     let _ = js.delete_stream(&config.stream).await;
     if !finished {
         return Err(format!(
@@ -434,13 +413,7 @@ async fn orders_demo(
     println!(
         "starting 2 orders processes (handlers `orders` and `inventory` on one App each); metrics of the first at {metrics}"
     );
-    let mut poll = Poll::new("the orders stream", DEADLINE);
-    while js.get_stream(&stream).await.is_err() {
-        if children.iter_mut().any(CreditProcess::has_exited) {
-            return Err(format!("an orders process exited; see {}", logs.display()));
-        }
-        poll.tick().await?;
-    }
+    stream_created(js, &stream, &mut children, logs).await?;
     let sku = |i: usize| format!("sku-{run}-{}", i % 10);
     let mut orders = Vec::new();
     for i in 0..ORDERS {
@@ -483,27 +456,12 @@ async fn orders_demo(
          + (SELECT count(*) FROM inbox WHERE consumer = 'inventory' AND message_key LIKE 'adj-{run}-%')",
         base + ORDERS as i64
     );
-    let mut poll = Poll::new("the orders to be applied", DEADLINE);
-    let finished = loop {
-        let done: i64 = sqlx::query_scalar(AssertSqlSafe(done_sql.clone()))
-            .fetch_one(pool)
-            .await
-            .unwrap_or(0);
-        if done == (ORDERS + ADJUSTMENTS) as i64 {
-            break true;
-        }
-        if children.iter_mut().any(CreditProcess::has_exited) || poll.tick().await.is_err() {
-            break false;
-        }
-    };
+    let finished = until_done("the orders to be applied", &mut children, async || {
+        count(pool, &done_sql).await == (ORDERS + ADJUSTMENTS) as i64
+    })
+    .await;
     let after = sample_metrics(&metrics).await;
-    let mut applied = 0;
-    let mut skipped = 0;
-    for child in children {
-        let summary = child.stop(Duration::from_secs(30)).await?;
-        applied += summary.applied;
-        skipped += summary.skipped;
-    }
+    let (applied, skipped) = stop_all(children).await?;
     let _ = js.delete_stream(&stream).await;
     if !finished {
         return Err(format!(
@@ -570,6 +528,60 @@ async fn sample_metrics(url: &str) -> Vec<String> {
         .collect();
     lines.sort();
     lines
+}
+
+/// Waits until stream `name` exists (the processes create it), failing if one of `children`
+/// exits first.
+async fn stream_created(
+    js: &jetstream::Context,
+    name: &str,
+    children: &mut [CreditProcess],
+    logs: &Path,
+) -> Result<(), String> {
+    let mut poll = Poll::new(&format!("stream {name}"), DEADLINE);
+    while js.get_stream(name).await.is_err() {
+        if children.iter_mut().any(CreditProcess::has_exited) {
+            return Err(format!("a process exited; see {}", logs.display()));
+        }
+        poll.tick().await?;
+    }
+    Ok(())
+}
+
+/// Polls `done` until it holds (`true`), a child exits or the deadline passes (`false`).
+async fn until_done(
+    what: &str,
+    children: &mut [CreditProcess],
+    mut done: impl AsyncFnMut() -> bool,
+) -> bool {
+    let mut poll = Poll::new(what, DEADLINE);
+    loop {
+        if done().await {
+            return true;
+        }
+        if children.iter_mut().any(CreditProcess::has_exited) || poll.tick().await.is_err() {
+            return false;
+        }
+    }
+}
+
+/// Stops every child with SIGTERM; what they applied and skipped, added up.
+async fn stop_all(children: Vec<CreditProcess>) -> Result<(u64, u64), String> {
+    let (mut applied, mut skipped) = (0, 0);
+    for child in children {
+        let summary = child.stop(Duration::from_secs(30)).await?;
+        applied += summary.applied;
+        skipped += summary.skipped;
+    }
+    Ok((applied, skipped))
+}
+
+/// The number `sql` counts (0 when it fails).
+async fn count(pool: &AnyPool, sql: &str) -> i64 {
+    sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
 }
 
 /// A progress bar of `total` `what` (drawn only on a terminal).
