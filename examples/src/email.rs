@@ -150,7 +150,8 @@ pub struct EmailConfig {
     /// `EMAIL_LEASE_MS`: the claim's lease, default 10,000 ms. The consumer it creates has an
     /// `ack_wait` of twice the lease (at least 1 s).
     pub lease: Duration,
-    /// `EMAIL_CONCURRENCY`: calls in flight at most, and the database pool's size; default 8.
+    /// `EMAIL_CONCURRENCY`: the database pool's size, default 8, at least 2: one connection is
+    /// kept for lease renewals, the others carry calls in flight.
     pub concurrency: u32,
     /// `EMAIL_TEST_HOLD_BEFORE_CALL_MS`, for the tests only: waits this long after the claim
     /// committed before calling the API (default 0), so that a test can kill the process
@@ -191,7 +192,8 @@ impl EmailConfig {
             durable: var("EMAIL_CONSUMER", "email"),
             api_url,
             lease: Duration::from_millis(number("EMAIL_LEASE_MS", "10000", 100)?),
-            concurrency: number("EMAIL_CONCURRENCY", "8", 1)? as u32,
+            // One connection is kept for lease renewals.
+            concurrency: number("EMAIL_CONCURRENCY", "8", 2)? as u32,
             hold_before_call: Duration::from_millis(number(
                 "EMAIL_TEST_HOLD_BEFORE_CALL_MS",
                 "0",
@@ -375,6 +377,7 @@ mod tests {
             ("EMAIL_LEASE_MS", "ten"),
             ("EMAIL_LEASE_MS", "5"),
             ("EMAIL_CONCURRENCY", "0"),
+            ("EMAIL_CONCURRENCY", "1"),
             ("EMAIL_API_URL", "not a url"),
             ("EMAIL_API_URL", "ftp://x/send"),
         ] {

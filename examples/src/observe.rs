@@ -17,9 +17,20 @@ fn recorder() -> Result<PrometheusHandle, String> {
     static HANDLE: OnceLock<Result<PrometheusHandle, String>> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
-            PrometheusBuilder::new()
+            let handle = PrometheusBuilder::new()
                 .install_recorder()
-                .map_err(|e| format!("cannot install the metrics recorder: {e}"))
+                .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+            // Histograms are drained by upkeep (or a scrape); without it, a process nobody
+            // scrapes would keep every sample.
+            let upkeep = handle.clone();
+            tokio::spawn(async move {
+                let mut ticks = tokio::time::interval(std::time::Duration::from_secs(5));
+                loop {
+                    ticks.tick().await;
+                    upkeep.run_upkeep();
+                }
+            });
+            Ok(handle)
         })
         .clone()
 }

@@ -373,6 +373,8 @@ pub fn total(stats: &AppStats) -> Stats {
         all.skipped += s.skipped;
         all.nacked += s.nacked;
         all.terminated += s.terminated;
+        all.open_claims += s.open_claims;
+        all.held += s.held;
         all
     })
 }

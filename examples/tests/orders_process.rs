@@ -103,6 +103,13 @@ impl<B: TestBackend> Setup<B> {
             .unwrap_or_else(|e| panic!("{e}"));
     }
 
+    /// Whether durable `name` has nothing left to deliver or to hear an ack for.
+    async fn drained(&self, name: &str) -> bool {
+        inbox_testkit::backlog(&self.js, &self.stream, name)
+            .await
+            .is_ok_and(|b| b.drained())
+    }
+
     async fn count(&self, sql: &'static str) -> i64 {
         B::count(&self.db, sql).await
     }
@@ -147,10 +154,13 @@ async fn two_handlers_on_one_app_apply_each_message_once_and_drain_on_sigterm<B:
     .await;
     s.stock(&[("X-Tenant", "t-1")], "sku-a", 1000).await;
 
+    // Every marker, and every duplicate answered too: both consumers drained.
     wait_until("both handlers' markers", DEADLINE, async || {
         s.count("SELECT count(*) FROM inbox WHERE processed_at IS NOT NULL")
             .await
             == 12
+            && s.drained("orders").await
+            && s.drained("inventory").await
     })
     .await
     .unwrap();

@@ -327,9 +327,25 @@ pub fn is_claim(ty: &Type) -> bool {
     matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Claim"))
 }
 
-/// Whether `ty` is a path ending in `Delivery`: `Delivery`, `inbox_runtime::Delivery`.
+/// Whether `ty` names the runtime's delivery: `Delivery` or `inbox_runtime::Delivery` (also
+/// through a macro's `$t:ty` group or parentheses). Another crate's `Delivery`
+/// (`shipping::Delivery`) is state; a `Delivery` of one's own imported by that name is caught by
+/// the compiler, as the type of the argument the generated code passes.
 pub fn is_delivery(ty: &Type) -> bool {
-    matches!(ty, Type::Path(p) if p.path.segments.last().is_some_and(|s| s.ident == "Delivery" && s.arguments.is_none()))
+    match ty {
+        Type::Group(g) => is_delivery(&g.elem),
+        Type::Paren(p) => is_delivery(&p.elem),
+        Type::Path(p) if p.qself.is_none() => {
+            let segments: Vec<_> = p.path.segments.iter().collect();
+            let plain = |s: &syn::PathSegment, name: &str| s.ident == name && s.arguments.is_none();
+            match segments.as_slice() {
+                [one] => plain(one, "Delivery") && p.path.leading_colon.is_none(),
+                [krate, one] => plain(krate, "inbox_runtime") && plain(one, "Delivery"),
+                _ => false,
+            }
+        }
+        _ => false,
+    }
 }
 
 /// The last type argument of the last path segment: `Postgres` in `Tx<Postgres>`,

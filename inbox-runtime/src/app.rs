@@ -106,6 +106,39 @@ impl Durable {
         &self.name
     }
 
+    /// Refuses names NATS would refuse (client side, where the error would look like a lost
+    /// request and be retried forever): empty, with whitespace or control characters; a stream
+    /// or durable name with `.`, `*` or `>`.
+    fn check(&self) -> Result<(), AppError> {
+        let name = |what: &'static str, name: &str, token: bool| {
+            let why = if name.is_empty() {
+                Some("it is empty")
+            } else if name.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                Some("it contains whitespace or a control character")
+            } else if token && name.contains(['.', '*', '>']) {
+                Some("it contains `.`, `*` or `>`")
+            } else {
+                None
+            };
+            match why {
+                Some(why) => Err(AppError::InvalidName {
+                    what,
+                    name: name.to_owned(),
+                    why,
+                }),
+                None => Ok(()),
+            }
+        };
+        name("stream", &self.stream, true)?;
+        name("durable consumer", &self.name, true)?;
+        if let Some(config) = &self.create
+            && !config.filter_subject.is_empty()
+        {
+            name("filter subject", &config.filter_subject, false)?;
+        }
+        Ok(())
+    }
+
     /// The stream's name.
     pub fn stream(&self) -> &str {
         &self.stream
@@ -160,6 +193,20 @@ pub enum AppError {
     /// No handler was registered.
     #[error("the app has no handlers: register one with App::handler")]
     NoHandlers,
+    /// A stream, consumer or subject name NATS would refuse.
+    #[error("{what} {name:?} is not a valid NATS name: {why}")]
+    InvalidName {
+        /// Which name: "stream", "durable consumer", "filter subject".
+        what: &'static str,
+        /// The name.
+        name: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// Shutdown was asked for while the app was starting (waiting for JetStream); `run` and
+    /// `run_until` return `Ok` with no counters instead.
+    #[error("shut down while starting")]
+    Cancelled,
     /// A stream or consumer could not be looked up or created.
     #[error("{what}: {source}")]
     Nats {
@@ -271,7 +318,8 @@ impl std::fmt::Debug for Health {
 pub struct HealthReport {
     /// The NATS connection is up.
     pub nats: bool,
-    /// The database answered a ping within 5 s.
+    /// The database answered a ping, on a connection of its own (the pool's may all be busy),
+    /// within 5 s.
     pub database: bool,
     /// Handlers registered.
     pub workers: usize,
@@ -319,7 +367,7 @@ impl<DB: InboxBackend> App<DB> {
                 nats: jetstream.client(),
                 database: Box::new(move || {
                     let inbox = pinged.clone();
-                    Box::pin(async move { inbox.answers().await })
+                    Box::pin(async move { inbox.reachable().await })
                 }),
                 workers: AtomicUsize::new(0),
                 running: AtomicUsize::new(0),
@@ -400,19 +448,26 @@ impl<DB: InboxBackend> App<DB> {
 
     /// Starts every handler and runs until SIGINT or SIGTERM (Ctrl-C, `docker stop`, a
     /// Kubernetes pod's termination), then drains: no more pulls, fetched messages nak'd,
-    /// messages in flight finished and acked. A second signal while draining exits the process
-    /// at once (with status 130): nothing is lost, since a message not acked is redelivered and
-    /// its marker decides.
+    /// messages in flight finished and acked, and those on their last delivery finished or
+    /// dead-lettered. Further signals while draining do not cut it short: a message on its last
+    /// delivery is never redelivered, so leaving it half done would lose it; a SIGKILL (what
+    /// Kubernetes sends when the grace period ends) still stops the process at once.
+    ///
+    /// The signal handlers stay installed once it returns (tokio's are process-wide): a later
+    /// Ctrl-C no longer ends the process by itself.
     pub async fn run(self) -> Result<AppStats, AppError> {
         let token = CancellationToken::new();
         let on_signal = token.clone();
         let signals = tokio::spawn(async move {
             shutdown_signal().await;
-            tracing::info!("signal received; draining (a second signal exits at once)");
+            tracing::info!("signal received; draining");
             on_signal.cancel();
-            shutdown_signal().await;
-            tracing::warn!("second signal; exiting without draining");
-            std::process::exit(130);
+            loop {
+                shutdown_signal().await;
+                tracing::warn!(
+                    "signal received while draining; still draining (messages on their last delivery are finished or dead-lettered first); SIGKILL stops at once"
+                );
+            }
         });
         let ran = self.run_until(token).await;
         signals.abort();
@@ -423,7 +478,12 @@ impl<DB: InboxBackend> App<DB> {
     /// in a process that handles signals itself.
     pub async fn run_until(self, shutdown: CancellationToken) -> Result<AppStats, AppError> {
         let health = self.health.clone();
-        let runs = self.start(&shutdown).await?;
+        let runs = match self.start(&shutdown).await {
+            Ok(runs) => runs,
+            // Stopped while waiting for JetStream: nothing consumed, nothing to report.
+            Err(AppError::Cancelled) => return Ok(AppStats::new()),
+            Err(e) => return Err(e),
+        };
         let mut stats = AppStats::new();
         health.inner.workers.store(runs.len(), Ordering::Relaxed);
         let all = runs.into_iter().map(|(consumer, run)| {
@@ -453,8 +513,14 @@ impl<DB: InboxBackend> App<DB> {
             return Err(AppError::NoHandlers);
         }
         check_unique(&self.planned)?;
+        for plan in &self.planned {
+            plan.durable.check()?;
+        }
         let mut prepared = Vec::with_capacity(self.planned.len());
         for plan in self.planned {
+            if shutdown.is_cancelled() {
+                return Err(AppError::Cancelled);
+            }
             let consumer = resolve(&self.jetstream, &plan.durable, shutdown).await?;
             let builder = WorkerBuilder::new(self.inbox.clone(), &self.jetstream, consumer);
             let ready = (plan.prepare)(builder);
@@ -573,14 +639,18 @@ async fn resolve(
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
     let mut attempt = 1u32;
     loop {
-        match resolve_once(js, durable).await {
+        let once = tokio::select! {
+            once = resolve_once(js, durable) => once,
+            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
+        };
+        match once {
             Ok(consumer) => return Ok(consumer),
-            Err((what, source, transient)) if transient && !shutdown.is_cancelled() => {
+            Err((what, source, true)) => {
                 let wait = backoff.next();
                 tracing::warn!(attempt, error = %source, retry_in = ?wait, "{what}; retrying");
                 attempt += 1;
                 tokio::select! {
-                    _ = shutdown.cancelled() => {}
+                    _ = shutdown.cancelled() => return Err(AppError::Cancelled),
                     _ = tokio::time::sleep(wait) => {}
                 }
             }

@@ -116,7 +116,10 @@ impl Delivery {
     /// `Idempotency-Key`.
     pub fn header(&self, name: &str) -> Option<&str> {
         let headers = self.headers.as_ref()?;
-        if let Some(v) = headers.get(name) {
+        // A name NATS cannot carry (a space, a colon) is in no message; looked up as it is,
+        // async-nats would panic on it.
+        let valid: async_nats::HeaderName = name.parse().ok()?;
+        if let Some(v) = headers.get(valid) {
             return Some(v.as_str());
         }
         headers
@@ -230,7 +233,7 @@ fn msg_id_of(headers: Option<&HeaderMap>) -> Option<String> {
 }
 
 /// How a handler's payload becomes its message type `M`: [`Json`] by default, [`Raw`] for the
-/// bytes as they are, [`MsgPack`] with feature `msgpack`; chosen with
+/// bytes as they are, `MsgPack` with feature `msgpack`, `Cbor` with feature `cbor`; chosen with
 /// `#[idempotent(.., codec = Raw)]`.
 ///
 /// A payload that does not decode is permanent: the message is dead-lettered at once.
@@ -314,6 +317,21 @@ impl<M: serde::de::DeserializeOwned> Codec<M> for MsgPack {
     }
 }
 
+/// CBOR payloads, through `ciborium` (feature `cbor`).
+#[cfg(feature = "cbor")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cbor")))]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cbor;
+
+#[cfg(feature = "cbor")]
+impl<M: serde::de::DeserializeOwned> Codec<M> for Cbor {
+    const NAME: &'static str = "CBOR";
+
+    fn decode(payload: &Bytes) -> Result<M, BoxError> {
+        Ok(ciborium::from_reader(&payload[..])?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,6 +345,8 @@ mod tests {
         assert_eq!(d.header("Idempotency-Key"), Some("k"));
         assert_eq!(d.header("IDEMPOTENCY-KEY"), Some("k"));
         assert_eq!(d.header("missing"), None);
+        assert_eq!(d.header("Idempotency Key"), None);
+        assert_eq!(d.header("a:b"), None);
         assert_eq!(d.cloud_event_key().as_deref(), Some("/orders 1"));
         assert_eq!(d.msg_id(), None);
         let d = d.with_header("Nats-Msg-Id", "");
@@ -372,5 +392,39 @@ mod tests {
         let raw: Bytes = <Raw as Codec<Bytes>>::decode(&Bytes::from_static(b"\xff")).unwrap();
         assert_eq!(&raw[..], b"\xff");
         assert!(<Raw as Codec<String>>::decode(&Bytes::from_static(b"\xff")).is_err());
+    }
+
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Order {
+        id: u64,
+        sku: String,
+    }
+
+    #[cfg(feature = "msgpack")]
+    #[test]
+    fn msgpack_payloads_decode() {
+        let order = Order {
+            id: 7,
+            sku: "a".into(),
+        };
+        let bytes = Bytes::from(rmp_serde::to_vec_named(&order).unwrap());
+        assert_eq!(<MsgPack as Codec<Order>>::decode(&bytes).unwrap(), order);
+        assert!(<MsgPack as Codec<Order>>::decode(&Bytes::from_static(b"\xc1")).is_err());
+    }
+
+    #[cfg(feature = "cbor")]
+    #[test]
+    fn cbor_payloads_decode() {
+        let order = Order {
+            id: 7,
+            sku: "a".into(),
+        };
+        let mut bytes = Vec::new();
+        ciborium::into_writer(&order, &mut bytes).unwrap();
+        assert_eq!(
+            <Cbor as Codec<Order>>::decode(&Bytes::from(bytes)).unwrap(),
+            order
+        );
+        assert!(<Cbor as Codec<Order>>::decode(&Bytes::from_static(b"\xff")).is_err());
     }
 }

@@ -29,6 +29,9 @@ pub use backoff::Backoff;
 pub use claim::{Claim, DEFAULT_LEASE, OpenClaim, idempotency_key};
 pub use classify::{ErrorClass, Permanent, Transient, classify};
 pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
+#[cfg(feature = "cbor")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cbor")))]
+pub use delivery::Cbor;
 #[cfg(feature = "msgpack")]
 #[cfg_attr(docsrs, doc(cfg(feature = "msgpack")))]
 pub use delivery::MsgPack;

@@ -1,5 +1,6 @@
-//! What the runtime reports through the [`metrics`](https://docs.rs/metrics) facade: nothing
-//! costs more than an atomic add unless the application installs a recorder (for example
+//! What the runtime reports through the [`metrics`](https://docs.rs/metrics) facade: a worker
+//! registers its series once, when it starts (install the recorder before), and then costs an
+//! atomic operation per event; nothing is recorded unless the application installs a recorder (for example
 //! `metrics-exporter-prometheus`, as the examples do). Every series has the label `consumer`
 //! (the handler's consumer name).
 //!
@@ -7,7 +8,7 @@
 //! |---|---|---|
 //! | `inbox_messages_total` | counter | deliveries answered, by `outcome`: `ack` (effect committed), `skip` (duplicate), `nak` (redelivered later), `dead_letter` |
 //! | `inbox_retries_total` | counter | in-process retries of a transient failure |
-//! | `inbox_handler_seconds` | histogram | one try of a delivery: claim, handler and commit |
+//! | `inbox_handler_seconds` | histogram | one try of a delivery (claim, handler and commit), or of one batch |
 //! | `inbox_claim_wait_seconds` | histogram | two-phase: time a delivery waited out another owner's lease on its last delivery |
 //! | `inbox_in_flight` | gauge | deliveries being processed |
 //! | `inbox_cleanup_deleted_total` | counter | markers deleted by cleanup |
@@ -15,6 +16,7 @@
 //! | `inbox_open_claims` | gauge | two-phase: claims open past the sweeper's threshold |
 //! | `inbox_oldest_open_claim_seconds` | gauge | two-phase: age of the oldest of them (0 when none) |
 
+use metrics::{Counter, Gauge, Histogram};
 use std::time::Duration;
 
 /// `inbox_messages_total`.
@@ -70,38 +72,73 @@ pub(crate) fn describe() {
     );
 }
 
-/// Counts one delivery answered with `outcome`.
-pub(crate) fn answered(consumer: &'static str, outcome: &'static str) {
-    metrics::counter!(MESSAGES, "consumer" => consumer, "outcome" => outcome).increment(1);
+/// A worker's series, registered once when it starts: per message, only atomic operations.
+pub(crate) struct Handles {
+    ack: Counter,
+    skip: Counter,
+    nak: Counter,
+    dead_letter: Counter,
+    retries: Counter,
+    handler_seconds: Histogram,
+    claim_wait: Histogram,
+    in_flight: Gauge,
 }
 
-/// Counts one in-process retry.
-pub(crate) fn retried(consumer: &'static str) {
-    metrics::counter!(RETRIES, "consumer" => consumer).increment(1);
+impl Handles {
+    /// The handles of `consumer`'s series, from the recorder installed now.
+    pub(crate) fn new(consumer: &'static str) -> Handles {
+        let outcome = |outcome: &'static str| metrics::counter!(MESSAGES, "consumer" => consumer, "outcome" => outcome);
+        Handles {
+            ack: outcome("ack"),
+            skip: outcome("skip"),
+            nak: outcome("nak"),
+            dead_letter: outcome("dead_letter"),
+            retries: metrics::counter!(RETRIES, "consumer" => consumer),
+            handler_seconds: metrics::histogram!(HANDLER_SECONDS, "consumer" => consumer),
+            claim_wait: metrics::histogram!(CLAIM_WAIT_SECONDS, "consumer" => consumer),
+            in_flight: metrics::gauge!(IN_FLIGHT, "consumer" => consumer),
+        }
+    }
+
+    /// Counts one delivery answered with `outcome` (`ack`, `skip`, `nak`, `dead_letter`).
+    pub(crate) fn answered(&self, outcome: &str) {
+        match outcome {
+            "ack" => &self.ack,
+            "skip" => &self.skip,
+            "nak" => &self.nak,
+            _ => &self.dead_letter,
+        }
+        .increment(1);
+    }
+
+    /// Counts one in-process retry.
+    pub(crate) fn retried(&self) {
+        self.retries.increment(1);
+    }
+
+    /// Records one try's duration (of one delivery, or of one batch).
+    pub(crate) fn tried(&self, took: Duration) {
+        self.handler_seconds.record(took.as_secs_f64());
+    }
+
+    /// Records a wait for another owner's lease.
+    pub(crate) fn claim_waited(&self, took: Duration) {
+        self.claim_wait.record(took.as_secs_f64());
+    }
+
+    /// `n` more deliveries in flight, until the guard is dropped.
+    pub(crate) fn in_flight(&self, n: usize) -> InFlight {
+        self.in_flight.increment(n as f64);
+        InFlight(self.in_flight.clone(), n)
+    }
 }
 
-/// Records one try's duration.
-pub(crate) fn tried(consumer: &'static str, took: Duration) {
-    metrics::histogram!(HANDLER_SECONDS, "consumer" => consumer).record(took.as_secs_f64());
-}
-
-/// Records a wait for another owner's lease.
-pub(crate) fn claim_waited(consumer: &'static str, took: Duration) {
-    metrics::histogram!(CLAIM_WAIT_SECONDS, "consumer" => consumer).record(took.as_secs_f64());
-}
-
-/// One more delivery in flight, until the guard is dropped.
-pub(crate) fn in_flight(consumer: &'static str) -> InFlight {
-    metrics::gauge!(IN_FLIGHT, "consumer" => consumer).increment(1.0);
-    InFlight(consumer)
-}
-
-/// Takes its delivery off [`IN_FLIGHT`] when dropped.
-pub(crate) struct InFlight(&'static str);
+/// Takes its deliveries off [`IN_FLIGHT`] when dropped.
+pub(crate) struct InFlight(Gauge, usize);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        metrics::gauge!(IN_FLIGHT, "consumer" => self.0).decrement(1.0);
+        self.0.decrement(self.1 as f64);
     }
 }
 

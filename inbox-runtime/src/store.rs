@@ -293,6 +293,23 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
+    /// Whether the database can be reached: a connection of its own (not one from the pool,
+    /// which busy handlers may all hold), opened, pinged and closed within 5 s. For health
+    /// probes.
+    pub(crate) async fn reachable(&self) -> bool {
+        use sqlx::{ConnectOptions, Connection};
+        let options = self.pool.connect_options();
+        let ping = async {
+            let mut conn = options.connect().await?;
+            conn.ping().await?;
+            conn.close().await
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), ping).await,
+            Ok(Ok(()))
+        )
+    }
+
     /// Whether the database answers: a connection from the pool, pinged, within 5 s.
     pub(crate) async fn answers(&self) -> bool {
         use sqlx::Connection;

@@ -10,6 +10,8 @@ use crate::batch::Batched;
 use crate::delivery::Delivery;
 use crate::handler::{Handler, Outcome};
 use async_nats::jetstream::message::Message;
+use futures::FutureExt;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
@@ -29,10 +31,16 @@ where
         shutdown: CancellationToken,
         tasks: TaskTracker,
     ) {
+        // Served alone, a message takes a connection like a batch does.
         let alone = |(message, permit): Waiting| {
             let (inner, shutdown) = (self.clone(), shutdown.clone());
-            tasks.spawn(async move { inner.serve(message, permit, shutdown).await });
+            tasks.spawn(async move {
+                let _connection = inner.connections.clone().acquire_owned().await;
+                inner.serve(message, permit, shutdown).await
+            });
         };
+        let _in_flight = self.metrics.get().map(|m| m.in_flight(batch.len()));
+        let connection = self.connections.clone().acquire_owned().await;
         let mut keyed = Vec::with_capacity(batch.len());
         for (message, permit) in batch {
             let Ok(info) = message.info() else {
@@ -40,9 +48,14 @@ where
                 continue;
             };
             let delivery = Delivery::of(&message, &info);
-            match self.decode_and_key(&message, &delivery).await {
-                Ok((decoded, key)) => keyed.push((key, decoded, (delivery, message, permit))),
-                Err(_) => alone((message, permit)),
+            // A panic in the codec or the key expression is this message's: served alone, it
+            // is caught there and dead-lettered; the rest of the batch goes on.
+            let keyed_one = AssertUnwindSafe(self.decode_and_key(&message, &delivery))
+                .catch_unwind()
+                .await;
+            match keyed_one {
+                Ok(Ok((decoded, key))) => keyed.push((key, decoded, (delivery, message, permit))),
+                Ok(Err(_)) | Err(_) => alone((message, permit)),
             }
         }
         if keyed.is_empty() {
@@ -72,7 +85,13 @@ where
         let deadline = self.settings.deadline;
         let every = self.settings.progress_every;
         let messages: Vec<&Message> = deliveries.iter().map(|(_, m, _)| m).collect();
+        let started = std::time::Instant::now();
         let ended = with_progress(&messages, every, tokio::time::timeout(deadline, work)).await;
+        if let Some(m) = self.metrics.get() {
+            m.tried(started.elapsed());
+        }
+        // The connection is free once the batch has committed: answering needs none.
+        drop(connection);
         let ended = match ended {
             Ok(ended) => ended,
             Err(_) => {

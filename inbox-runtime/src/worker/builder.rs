@@ -183,6 +183,10 @@ impl Default for Options {
 pub(crate) struct Settings {
     /// Messages in flight at most.
     pub concurrency: usize,
+    /// Database connections in use at most: the concurrency asked for (capped at the pool);
+    /// batched, each batch (or message served alone) takes one, so `concurrency` is this times
+    /// the batch size.
+    pub connections: usize,
     pub ack_mode: AckMode,
     /// How long a pull request stays open: at most the consumer's `max_expires`.
     pub fetch_expiry: Duration,
@@ -247,6 +251,7 @@ pub(crate) fn check(
     // wait for acks: prefetching more than can be processed within ack_wait turns into
     // redelivery storms.
     let mut concurrency = options.concurrency.unwrap_or(pool_size).min(pool_size);
+    let connections = concurrency.max(1);
     // Batched, a connection serves a batch at a time.
     if let Some(batch) = options.batch {
         concurrency = concurrency.saturating_mul(batch.max_messages);
@@ -288,6 +293,7 @@ pub(crate) fn check(
     };
     Ok(Settings {
         concurrency: concurrency.max(1),
+        connections,
         ack_mode: options.ack_mode,
         fetch_expiry: match config.max_expires {
             d if d.is_zero() => options.fetch_expiry,
@@ -570,6 +576,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             // renewed on another: one connection is kept for renewals.
             if pool_size > 1 {
                 settings.concurrency = settings.concurrency.min(pool_size - 1);
+                settings.connections = settings.connections.min(pool_size - 1);
             }
             let (every, older_than) = options.sweep;
             settings.sweep = Some(Sweep {

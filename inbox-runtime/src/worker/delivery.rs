@@ -96,7 +96,7 @@ where
         shutdown: CancellationToken,
     ) {
         let _permit = permit;
-        let _in_flight = crate::metrics::in_flight(H::CONSUMER);
+        let _in_flight = self.metrics.get().map(|m| m.in_flight(1));
         let delivery = match message.info() {
             Ok(info) => Delivery::of(&message, &info),
             Err(e) => {
@@ -105,12 +105,6 @@ where
             }
         };
         // At debug level: a span per message is work on the hot path no one asked for at info.
-        // A producer's W3C trace context, when it sent one: the span names the trace and the
-        // producer's span as its parent, so that the message's logs join the producer's trace.
-        let (trace_id, parent_span_id) = match delivery.trace_parent() {
-            Some(tp) => (Some(tp.trace_id), Some(tp.parent_id)),
-            None => (None, None),
-        };
         let span = tracing::debug_span!(
             "inbox.message",
             consumer = H::CONSUMER,
@@ -118,9 +112,18 @@ where
             stream_seq = delivery.stream_seq,
             delivered = delivery.delivered,
             outcome = field::Empty,
-            trace_id,
-            parent_span_id,
+            trace_id = field::Empty,
+            parent_span_id = field::Empty,
         );
+        // A producer's W3C trace context, when it sent one: the span names the trace and the
+        // producer's span as its parent, so that the message's logs join the producer's trace.
+        // Looked for only when the span is recorded.
+        if !span.is_disabled()
+            && let Some(tp) = delivery.trace_parent()
+        {
+            span.record("trace_id", tp.trace_id);
+            span.record("parent_span_id", tp.parent_id);
+        }
         async {
             let limits = &self.settings.limits;
             let tries = self.process_with_retries(&message, &delivery, &shutdown);
@@ -159,7 +162,9 @@ where
         // Recorded before acting, so that what is logged while answering carries it.
         let outcome = |name: &'static str| {
             span.record("outcome", name);
-            crate::metrics::answered(H::CONSUMER, name);
+            if let Some(m) = self.metrics.get() {
+                m.answered(name);
+            }
         };
         let counters = &self.counters;
         let counter = match verdict {
@@ -294,7 +299,9 @@ where
             let deadline = self.settings.deadline;
             let started = std::time::Instant::now();
             let tried = tokio::time::timeout(deadline, self.process(message, delivery)).await;
-            crate::metrics::tried(H::CONSUMER, started.elapsed());
+            if let Some(m) = self.metrics.get() {
+                m.tried(started.elapsed());
+            }
             let err = match tried {
                 Ok(Ok(outcome)) => {
                     self.circuit.close();
@@ -319,7 +326,9 @@ where
                 tokio::select! {
                     _ = shutdown.cancelled() => return Err((err, class)),
                     _ = tokio::time::sleep(wait) => {
-                        crate::metrics::claim_waited(H::CONSUMER, waiting.elapsed());
+                        if let Some(m) = self.metrics.get() {
+                            m.claim_waited(waiting.elapsed());
+                        }
                         continue;
                     }
                 }
@@ -344,7 +353,9 @@ where
                 return Err((err, class));
             };
             tracing::debug!(error = %err, attempt, retry_in = ?wait, "transient failure; retrying");
-            crate::metrics::retried(H::CONSUMER);
+            if let Some(m) = self.metrics.get() {
+                m.retried();
+            }
             tokio::time::sleep(wait).await;
             attempt += 1;
         }

@@ -108,6 +108,13 @@ struct Inner<H: Handler> {
     dead_letters: DeadLetters,
     stream_created: delivery::StreamCreated,
     circuit: circuit::Circuit,
+    /// Batched workers: one permit per database connection the worker may use, taken by each
+    /// batch and each message of a batch served alone, so that a worker never holds more
+    /// connections than its share of the pool however small its batches.
+    connections: Arc<tokio::sync::Semaphore>,
+    /// The metric handles, registered when the worker starts (after the application installed
+    /// its recorder).
+    metrics: std::sync::OnceLock<crate::metrics::Handles>,
     /// JetStream: the pull subscription's client, the context of every message.
     jetstream: async_nats::jetstream::Context,
     /// The consumer's stream, when cleanup was asked for.
@@ -132,11 +139,13 @@ impl<H: Handler> Worker<H> {
                 consumer,
                 handler,
                 state,
-                settings,
                 counters: Counters::default(),
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
                 stream_created: delivery::StreamCreated::default(),
                 circuit: circuit::Circuit::default(),
+                connections: Arc::new(tokio::sync::Semaphore::new(settings.connections)),
+                metrics: std::sync::OnceLock::new(),
+                settings,
                 jetstream,
                 cleanup_stream,
             }),
@@ -176,6 +185,10 @@ where
     /// what it did. Pull errors (NATS down, say) are retried with capped backoff.
     pub async fn run_until(&self, shutdown: CancellationToken) -> Stats {
         crate::metrics::describe();
+        let _ = self
+            .inner
+            .metrics
+            .set(crate::metrics::Handles::new(H::CONSUMER));
         tracing::info!(
             consumer = H::CONSUMER,
             durable = %self.inner.consumer.cached_info().name,

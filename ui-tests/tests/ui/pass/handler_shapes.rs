@@ -96,6 +96,23 @@ async fn raw_payload(
     Ok(())
 }
 
+/// Another crate's `Delivery` is state, not the runtime's delivery.
+mod shipping {
+    pub struct Delivery {
+        pub carrier: String,
+    }
+}
+
+#[idempotent(consumer = "credit-ship", key = format!("{}:{}", courier.carrier, msg.id))]
+async fn ships(
+    msg: Credit,
+    courier: &shipping::Delivery,
+    tx: &mut Tx<Postgres>,
+) -> Result<(), sqlx::Error> {
+    let _ = (msg, &courier.carrier, tx);
+    Ok(())
+}
+
 fn main() {
     let msg = Credit { id: "a".into(), seq: 7 };
     let d = Delivery::new("credits");
@@ -115,6 +132,8 @@ fn main() {
         Err(KeyError::Absent("delivery.header(\"Idempotency-Key\")"))
     );
     let event = d.with_header("ce-id", "1").with_header("ce-source", "/s");
+    let courier = shipping::Delivery { carrier: "dhl".into() };
+    assert_eq!(ships.key(&msg, &Delivery::new("s"), &courier), Ok(Some("dhl:a".to_owned())));
     let payload = bytes::Bytes::from_static(b"\xff");
     assert_eq!(raw_payload.key(&payload, &event, &()), Ok(Some("/s 1".to_owned())));
 }
