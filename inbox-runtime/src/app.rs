@@ -234,16 +234,15 @@ struct Planned<DB: InboxBackend> {
     consumer: &'static str,
     durable: Durable,
     two_phase: bool,
-    /// Configures the handler's builder on its consumer, once resolved.
-    prepare: Box<dyn FnOnce(WorkerBuilder<DB>) -> Prepared + Send>,
+    /// The concurrency its configuration asks for, read at registration.
+    asked: Option<usize>,
+    /// Configures the handler's builder on its consumer, once resolved, and builds the worker
+    /// with the concurrency given.
+    finish: Finish<DB>,
 }
 
-/// A registration whose builder is configured: what it asks for, and how to build it with the
-/// concurrency it is given.
-struct Prepared {
-    asked: Option<usize>,
-    finish: Box<dyn FnOnce(usize) -> Result<Run, AppError> + Send>,
-}
+/// See [`Planned::finish`].
+type Finish<DB> = Box<dyn FnOnce(WorkerBuilder<DB>, usize) -> Result<Run, AppError> + Send>;
 
 /// A built worker's run until the token.
 type Run = Box<dyn FnOnce(CancellationToken) -> BoxFuture<'static, Stats> + Send>;
@@ -406,21 +405,24 @@ impl<DB: InboxBackend> App<DB> {
     /// Registers `handler` with its state on `durable`, its worker configured by `configure`
     /// (`|w| w.concurrency(4).batch(50, Duration::from_millis(10))`). A concurrency asked for
     /// here is reserved from the pool; handlers that ask for none share what is left equally.
+    /// `configure` runs twice: at registration, to read what it asks of the pool (so that an
+    /// app the pool cannot serve is refused before any consumer is created or updated), and at
+    /// start, on the worker's builder.
     pub fn handler_configured<H>(
         mut self,
         handler: H,
         state: H::State,
         durable: Durable,
-        configure: impl FnOnce(WorkerBuilder<DB>) -> WorkerBuilder<DB> + Send + 'static,
+        configure: impl Fn(WorkerBuilder<DB>) -> WorkerBuilder<DB> + Send + 'static,
     ) -> Self
     where
         H: Handler<Db = DB>,
     {
-        let prepare = move |builder: WorkerBuilder<DB>| {
-            let builder = configure(builder);
-            let asked = builder.asked_concurrency();
-            let finish = move |concurrency: usize| -> Result<Run, AppError> {
-                let worker = builder
+        let probe = WorkerBuilder::probe(self.inbox.clone(), &self.jetstream);
+        let asked = configure(probe).asked_concurrency();
+        let finish =
+            move |builder: WorkerBuilder<DB>, concurrency: usize| -> Result<Run, AppError> {
+                let worker = configure(builder)
                     .concurrency(concurrency)
                     .build_with_state(handler, state)
                     .map_err(|source| AppError::Worker {
@@ -431,17 +433,13 @@ impl<DB: InboxBackend> App<DB> {
                     Box::pin(async move { worker.run_until(token).await })
                 }))
             };
-            Prepared {
-                asked,
-                finish: Box::new(finish),
-            }
-        };
         self.planned.push(Planned {
             handler: std::any::type_name::<H>(),
             consumer: H::CONSUMER,
             durable,
             two_phase: H::TWO_PHASE,
-            prepare: Box::new(prepare),
+            asked,
+            finish: Box::new(finish),
         });
         self
     }
@@ -512,40 +510,39 @@ impl<DB: InboxBackend> App<DB> {
         if self.planned.is_empty() {
             return Err(AppError::NoHandlers);
         }
+        // Everything that needs no server first, so that a refused app changes nothing.
         check_unique(&self.planned)?;
         for plan in &self.planned {
             plan.durable.check()?;
         }
-        let mut prepared = Vec::with_capacity(self.planned.len());
-        for plan in self.planned {
+        let pool = self.inbox.pool().options().get_max_connections() as usize;
+        let asks: Vec<Ask> = self
+            .planned
+            .iter()
+            .map(|p| Ask {
+                consumer: p.consumer,
+                asked: p.asked,
+                two_phase: p.two_phase,
+            })
+            .collect();
+        let shares = split_pool(&asks, pool)?;
+        let mut runs = Vec::with_capacity(self.planned.len());
+        for (plan, concurrency) in self.planned.into_iter().zip(shares) {
             if shutdown.is_cancelled() {
                 return Err(AppError::Cancelled);
             }
             let consumer = resolve(&self.jetstream, &plan.durable, shutdown).await?;
             let builder = WorkerBuilder::new(self.inbox.clone(), &self.jetstream, consumer);
-            let ready = (plan.prepare)(builder);
-            let asks = Ask {
-                consumer: plan.consumer,
-                asked: ready.asked,
-                two_phase: plan.two_phase,
-            };
-            prepared.push((plan.handler, plan.durable, asks, ready.finish));
-        }
-        let pool = self.inbox.pool().options().get_max_connections() as usize;
-        let asks: Vec<Ask> = prepared.iter().map(|p| p.2).collect();
-        let shares = split_pool(&asks, pool)?;
-        let mut runs = Vec::with_capacity(prepared.len());
-        for ((handler, durable, ask, finish), concurrency) in prepared.into_iter().zip(shares) {
-            let run = finish(concurrency)?;
+            let run = (plan.finish)(builder, concurrency)?;
             tracing::info!(
-                handler,
-                consumer = ask.consumer,
-                durable = durable.name(),
-                stream = durable.stream(),
+                handler = plan.handler,
+                consumer = plan.consumer,
+                durable = plan.durable.name(),
+                stream = plan.durable.stream(),
                 concurrency,
                 "handler registered"
             );
-            runs.push((ask.consumer, run));
+            runs.push((plan.consumer, run));
         }
         Ok(runs)
     }

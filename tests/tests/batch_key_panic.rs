@@ -39,9 +39,11 @@ async fn a_panicking_key_in_a_batch_is_dead_lettered_alone() {
         .build(panicky)
         .unwrap();
     let run = Running::start(&worker);
-    wait_until("the panicking message's dead letter", Duration::from_secs(60), async || {
-        !nats.dead_letters().await.is_empty()
-    })
+    wait_until(
+        "the panicking message's dead letter",
+        Duration::from_secs(60),
+        async || !nats.dead_letters().await.is_empty(),
+    )
     .await
     .unwrap();
     nats.wait_drained("c").await;
@@ -49,7 +51,10 @@ async fn a_panicking_key_in_a_batch_is_dead_lettered_alone() {
     assert_eq!((stats.acked, stats.terminated), (4, 1), "{stats:?}");
     let letters = nats.dead_letters().await;
     assert_eq!(letters.len(), 1);
-    let error = letters[0].1.get("Inbox-Error").map(|v| v.as_str().to_owned());
+    let error = letters[0]
+        .1
+        .get("Inbox-Error")
+        .map(|v| v.as_str().to_owned());
     assert!(
         error.as_deref().is_some_and(|e| e.contains("panic")),
         "{error:?}"

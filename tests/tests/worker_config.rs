@@ -231,26 +231,56 @@ async fn an_app_refuses_shared_names_and_an_oversubscribed_pool() {
         .unwrap_err();
     assert!(matches!(err, AppError::DuplicateDurable { .. }), "{err}");
 
-    // A pool of 2 cannot give 2 to one handler and 1 (+1 for lease renewals) to a two-phase one.
+    // A pool of 2 cannot give 2 to one handler and 1 (+1 for lease renewals) to a two-phase one;
+    // refused before anything is created on the server.
+    let never = Durable::recommended(&nats.stream, "never", &nats.subject);
     let err = App::new(inbox.clone(), &nats.js)
-        .handler_configured(fine, (), on("one"), |w| w.concurrency(2))
+        .handler_configured(fine, (), never, |w| w.concurrency(2))
         .handler(leased, on("two"))
         .run_until(stop.clone())
         .await
         .unwrap_err();
     assert!(matches!(err, AppError::PoolTooSmall { .. }), "{err}");
     assert!(err.to_string().contains("need 4"), "{err}");
+    let stream = nats.js.get_stream(&nats.stream).await.unwrap();
+    assert!(
+        stream.consumer_info("never").await.is_err(),
+        "a refused app created its consumer"
+    );
 
-    // A consumer the app creates with the recommended configuration; run until stopped.
-    stop.cancel();
-    let stats = App::new(inbox.clone(), &nats.js)
+    // A name NATS would refuse is refused at once, not retried as a lost request.
+    let err = App::new(inbox.clone(), &nats.js)
         .handler(
             fine,
-            Durable::recommended(&nats.stream, "made", &nats.subject),
+            Durable::recommended(&nats.stream, "bad name", &nats.subject),
         )
         .run_until(stop.clone())
         .await
+        .unwrap_err();
+    assert!(matches!(err, AppError::InvalidName { .. }), "{err}");
+
+    // Stopped before it started: nothing is created, nothing counted.
+    stop.cancel();
+    let made = || Durable::recommended(&nats.stream, "made", &nats.subject);
+    let stats = App::new(inbox.clone(), &nats.js)
+        .handler(fine, made())
+        .run_until(stop.clone())
+        .await
         .unwrap();
+    assert!(stats.is_empty(), "{stats:?}");
+    assert!(stream.consumer_info("made").await.is_err());
+
+    // A consumer the app creates with the recommended configuration; run until stopped.
+    let later = tokio_util::sync::CancellationToken::new();
+    let app = App::new(inbox.clone(), &nats.js).handler(fine, made());
+    let running = tokio::spawn(app.run_until(later.clone()));
+    inbox_testkit::wait_until("the app's consumer", Duration::from_secs(30), async || {
+        stream.consumer_info("made").await.is_ok()
+    })
+    .await
+    .unwrap();
+    later.cancel();
+    let stats = running.await.unwrap().unwrap();
     assert_eq!(stats.keys().copied().collect::<Vec<_>>(), vec!["fine"]);
     let made = nats.info("made").await;
     assert_eq!(made.config.max_deliver, 10);

@@ -72,6 +72,9 @@ pub enum WorkerError {
         /// The consumer's `ack_wait`.
         ack_wait: Duration,
     },
+    /// A builder of the runtime's own that has no consumer was built: a bug of this crate.
+    #[error("internal error: a worker builder without a consumer was built")]
+    NoConsumer,
     /// `concurrency(0)` was asked for.
     #[error("concurrency must be at least 1")]
     ZeroConcurrency,
@@ -382,7 +385,9 @@ impl NoState for () {
 pub struct WorkerBuilder<DB: InboxBackend> {
     inbox: Inbox<DB>,
     jetstream: jetstream::Context,
-    consumer: PullConsumer,
+    /// `None` only in the probe [`App`](crate::App) configures to read what a handler asks for
+    /// before any consumer is resolved; never built.
+    consumer: Option<PullConsumer>,
     options: Options,
     cleanup_stream: Option<stream::Stream>,
 }
@@ -394,7 +399,19 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         WorkerBuilder {
             inbox,
             jetstream: jetstream.clone(),
-            consumer,
+            consumer: Some(consumer),
+            options: Options::default(),
+            cleanup_stream: None,
+        }
+    }
+
+    /// A builder without a consumer, for reading the options a configuration sets
+    /// ([`WorkerBuilder::asked_concurrency`]); building it fails.
+    pub(crate) fn probe(inbox: Inbox<DB>, jetstream: &jetstream::Context) -> Self {
+        WorkerBuilder {
+            inbox,
+            jetstream: jetstream.clone(),
+            consumer: None,
             options: Options::default(),
             cleanup_stream: None,
         }
@@ -550,8 +567,11 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     where
         H: Handler<Db = DB>,
     {
+        let Some(consumer) = &self.consumer else {
+            return Err(WorkerError::NoConsumer);
+        };
         claim_consumer_name::<H>(self.inbox.table())?;
-        let info = self.consumer.cached_info();
+        let info = consumer.cached_info();
         let pool_size = self.inbox.pool().options().get_max_connections() as usize;
         let mut options = self.options.clone();
         if H::TWO_PHASE {
