@@ -52,7 +52,7 @@ impl TcpProxy {
     /// text, such as `COMMIT`) is delivered to the server, and then that client's connection is
     /// dropped before the server's reply reaches it. The server side stays open, so the server
     /// finishes the statement: the client sees a lost connection for a statement that took
-    /// effect.
+    /// effect. The needle is looked for in clear: the client must not use TLS.
     pub fn lose_reply_to(&self, needle: &[u8]) {
         *self.trap.lock().expect("the trap lock") = Some(needle.to_vec());
     }

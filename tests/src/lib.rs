@@ -32,13 +32,20 @@ pub fn nats_url() -> String {
 }
 
 /// For a server database at `url` (`scheme://user@host:port/db`), the address to forward to
-/// (`host:port`) and the same URL through a proxy on loopback port `proxy_port`.
+/// (`host:port`) and the same URL through a proxy on loopback port `proxy_port`, with TLS off:
+/// the proxy's traps read the protocol in clear, and sqlx, built with TLS, would otherwise take
+/// the TLS the machine's PostgreSQL offers (`sslmode=prefer`).
 pub fn through_proxy(url: &str, proxy_port: u16) -> (String, String) {
     let (head, rest) = url.split_once('@').expect("a URL with a user");
     let (addr, path) = rest.split_once('/').expect("a URL with a database");
+    let plain = match head.split_once(':').map(|(scheme, _)| scheme) {
+        Some("postgres" | "postgresql") => "sslmode=disable",
+        _ => "ssl-mode=DISABLED",
+    };
+    let sep = if path.contains('?') { '&' } else { '?' };
     (
         addr.to_owned(),
-        format!("{head}@127.0.0.1:{proxy_port}/{path}"),
+        format!("{head}@127.0.0.1:{proxy_port}/{path}{sep}{plain}"),
     )
 }
 
