@@ -3,7 +3,8 @@
 //!
 //! - [`PrivateNats`]: a `nats-server` of one's own (free port, temporary store) to kill and
 //!   restart; [`connect`], [`publish_and_wait`] (or [`publish_acked`], keeping every PubAck),
-//!   [`backlog`] for the JetStream side;
+//!   [`backlog`] for the JetStream side; [`PrivateCluster`], three of them routed into one
+//!   JetStream cluster;
 //! - [`CreditProcess`]: the `credit` binary as a child process, stopped with SIGTERM or SIGKILL,
 //!   paused with SIGSTOP and resumed with SIGCONT, its summary line parsed into a [`Summary`];
 //! - [`Database`]: a fresh PostgreSQL or MariaDB database or SQLite file, whose connections can
@@ -17,6 +18,7 @@
 //!
 //! The services and their start commands are in the repository's `CONTRIBUTING.md`.
 
+mod cluster;
 mod credit;
 mod db;
 mod nats;
@@ -25,6 +27,7 @@ mod proxy;
 mod sink;
 mod wait;
 
+pub use cluster::PrivateCluster;
 pub use credit::{CreditConfig, CreditProcess, EmailConfig, Summary, terminate};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{

@@ -74,6 +74,15 @@ impl PrivateNats {
         Self::start_configured(nats_server_binary()?, Some(config)).await
     }
 
+    /// Starts the server `binary` with the configuration file `config` besides the port, store
+    /// and JetStream.
+    pub async fn start_binary_with_config(
+        binary: PathBuf,
+        config: &str,
+    ) -> Result<PrivateNats, String> {
+        Self::start_configured(binary, Some(config)).await
+    }
+
     async fn start_configured(
         binary: PathBuf,
         config: Option<&str>,

@@ -1,5 +1,6 @@
 //! Dead letters: a rejected message is published, with its payload and headers and the reason,
-//! to `<prefix>.<consumer>` in a stream of its own (created on first use). The caller terms the
+//! to `<prefix>.<consumer>` in a stream of its own (created on first use, with as many replicas
+//! as the consumer's stream). The caller terms the
 //! original only once [`DeadLetters::publish`] returns `Ok`, that is once JetStream has stored
 //! the letter; on `Err` it naks, so that nothing rejected is ever lost. On the last delivery a
 //! nak would never be redelivered: there the letter is parked in the database instead (then the
@@ -25,6 +26,9 @@ const MAX_ERROR_LEN: usize = 1024;
 #[derive(Debug)]
 pub(crate) struct DeadLetters {
     stream: String,
+    /// The consumer's own stream: the dead-letter stream is created with its replica count, so
+    /// that letters are as safe as the messages they stand for.
+    source: String,
     prefix: String,
     subject: String,
     ready: OnceCell<()>,
@@ -42,10 +46,11 @@ pub(crate) struct DeadLetter<'a> {
 }
 
 impl DeadLetters {
-    pub(crate) fn new(stream: String, prefix: String, consumer: &str) -> Self {
+    pub(crate) fn new(stream: String, prefix: String, consumer: &str, source: String) -> Self {
         let subject = format!("{prefix}.{consumer}");
         DeadLetters {
             stream,
+            source,
             prefix,
             subject,
             ready: OnceCell::new(),
@@ -73,13 +78,21 @@ impl DeadLetters {
     ) -> Result<(), async_nats::Error> {
         self.ready
             .get_or_try_init(|| async {
+                let replicas = js
+                    .get_stream(&self.source)
+                    .await?
+                    .cached_info()
+                    .config
+                    .num_replicas
+                    .max(1);
                 js.get_or_create_stream(stream::Config {
                     name: self.stream.clone(),
                     subjects: vec![format!("{}.>", self.prefix)],
+                    num_replicas: replicas,
                     ..Default::default()
                 })
-                .await
-                .map(|_| ())
+                .await?;
+                Ok::<_, async_nats::Error>(())
             })
             .await?;
         let max = js.client().max_payload();

@@ -133,6 +133,7 @@ impl<H: Handler> Worker<H> {
         (dlq_stream, dlq_prefix): (String, String),
         cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
     ) -> Self {
+        let source = consumer.cached_info().stream_name.clone();
         Worker {
             inner: Arc::new(Inner {
                 inbox,
@@ -140,7 +141,7 @@ impl<H: Handler> Worker<H> {
                 handler,
                 state,
                 counters: Counters::default(),
-                dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER),
+                dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER, source),
                 stream_created: delivery::StreamCreated::default(),
                 circuit: circuit::Circuit::default(),
                 connections: Arc::new(tokio::sync::Semaphore::new(settings.connections)),
