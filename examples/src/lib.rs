@@ -468,6 +468,7 @@ pub(crate) async fn jetstream_consumer(
             match e.kind() {
                 // A cluster electing a leader, JetStream not ready yet: wait it out.
                 Kind::TimedOut | Kind::JetStreamUnavailable => StartError::Down(what),
+                Kind::JetStream(e) if e.code() == 503 => StartError::Down(what),
                 _ => StartError::Fatal(what.into()),
             }
         })?;
@@ -490,6 +491,8 @@ pub(crate) async fn jetstream_consumer(
             let what = format!("cannot get or create consumer {}: {e}", config.durable);
             match e.kind() {
                 Kind::TimedOut | Kind::Request => StartError::Down(what),
+                // 503: no leader for the stream or consumer yet (an election).
+                Kind::JetStream(e) if e.code() == 503 => StartError::Down(what),
                 _ => StartError::Fatal(what.into()),
             }
         })?;

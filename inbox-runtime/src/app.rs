@@ -666,15 +666,22 @@ async fn resolve_once(
     use async_nats::jetstream::stream::ConsumerErrorKind;
     let stream = match &durable.stream_config {
         Some(config) => js.get_or_create_stream(config.clone()).await.map_err(|e| {
-            let transient = matches!(
-                e.kind(),
-                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable
-            );
+            let transient = match e.kind() {
+                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => {
+                    true
+                }
+                CreateStreamErrorKind::JetStream(e) => unavailable(&e),
+                _ => false,
+            };
             let what = format!("cannot get or create stream {:?}", durable.stream);
             (what, e.into(), transient)
         })?,
         None => js.get_stream(&durable.stream).await.map_err(|e| {
-            let transient = matches!(e.kind(), GetStreamErrorKind::Request);
+            let transient = match e.kind() {
+                GetStreamErrorKind::Request => true,
+                GetStreamErrorKind::JetStream(e) => unavailable(&e),
+                _ => false,
+            };
             let what = format!("cannot get stream {:?}", durable.stream);
             (what, e.into(), transient)
         })?,
@@ -687,21 +694,35 @@ async fn resolve_once(
     };
     let consumer = match &durable.create {
         Some(config) => stream.create_consumer(config.clone()).await.map_err(|e| {
-            let transient = matches!(
-                e.kind(),
-                ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request
-            );
+            let transient = match e.kind() {
+                ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request => true,
+                ConsumerErrorKind::JetStream(e) => unavailable(&e),
+                _ => false,
+            };
             (what("create or update"), e.into(), transient)
         })?,
         None => stream.get_consumer(&durable.name).await.map_err(|e| {
-            // A missing consumer is the user's to create; a timeout or "no responders" is
-            // JetStream not answering yet.
-            let text = e.to_string();
-            let transient = text.contains("timed out") || text.contains("no responders");
+            // A missing consumer is the user's to create; a timeout, "no responders" or a 503
+            // is JetStream not answering yet (starting, or a cluster electing a leader).
+            use async_nats::jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind as K};
+            let transient = e
+                .downcast_ref::<ConsumerInfoError>()
+                .is_some_and(|e| match e.kind() {
+                    K::TimedOut | K::NoResponders | K::Request | K::Offline => true,
+                    K::JetStream(e) => unavailable(&e),
+                    _ => false,
+                });
             (what("get"), e, transient)
         })?,
     };
     Ok(consumer)
+}
+
+/// Whether JetStream's answer says it cannot serve the request for now: 503 (JetStream
+/// temporarily unavailable, a cluster without a meta or stream leader during an election) or
+/// 408 (a request that timed out inside the cluster).
+fn unavailable(e: &jetstream::Error) -> bool {
+    matches!(e.code(), 503 | 408)
 }
 
 /// SIGINT or SIGTERM (Ctrl-C elsewhere than Unix).

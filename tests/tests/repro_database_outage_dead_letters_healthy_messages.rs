@@ -3,7 +3,8 @@
 //! out of deliveries and were dead-lettered. Now the worker sees that the database cannot be
 //! reached at all, stops pulling, and holds what it has (with progress acks, spending no
 //! delivery) until the database answers: afterwards every message is applied once and the
-//! dead-letter stream is empty. SQLite is in-process: it has no outage of this kind.
+//! dead-letter stream is empty. On nats-server 2.11+ the consumer is also paused on the server
+//! during the outage and resumed after it; on older servers it never is (the fallback). SQLite is in-process: it has no outage of this kind.
 
 use inbox_runtime::Inbox;
 use inbox_testkit::{TcpProxy, wait_until};
@@ -51,12 +52,34 @@ async fn outage_dead_letters_nothing<B: TestBackend>() {
     .await
     .unwrap();
     proxy.cut();
-    // The outage lasts far longer than MAX_DELIVER quick naks, or ack_wait, would take.
+    // The outage lasts far longer than MAX_DELIVER quick naks, or ack_wait, would take. On a
+    // server that pauses consumers (2.11+) the worker pauses this one meanwhile; on an older one
+    // it only stops its own pulls. Either way, look at the consumer throughout.
     let outage = ack_wait * (MAX_DELIVER as u32 + 2);
-    tokio::time::sleep(outage).await;
+    let pauses = server_pauses_consumers(&nats.client.server_info().version);
+    let mut seen_paused = false;
+    let mut poll = inbox_testkit::Poll::new("the outage to last", outage);
+    while poll.elapsed() < outage {
+        seen_paused |= paused(&nats, "c").await;
+        let _ = poll.tick().await;
+    }
     let during = B::count(&db, "SELECT count(*) FROM ledger").await;
     assert!(during < MESSAGES, "everything was applied before the cut");
+    assert_eq!(
+        seen_paused,
+        pauses,
+        "nats-server {}: the consumer was paused on the server during the outage: {seen_paused}",
+        nats.client.server_info().version
+    );
     proxy.start(&upstream).await.unwrap();
+    // Resumed once the database answers, not when the pause runs out.
+    wait_until(
+        "the consumer to be resumed on the server",
+        Duration::from_secs(15),
+        async || !paused(&nats, "c").await,
+    )
+    .await
+    .unwrap();
 
     nats.wait_drained("c").await;
     let stats = run.stop().await;
@@ -70,6 +93,26 @@ async fn outage_dead_letters_nothing<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, MESSAGES);
     let distinct = "SELECT count(DISTINCT msg_key) FROM ledger";
     assert_eq!(B::count(&db, distinct).await, MESSAGES);
+}
+
+/// Whether the consumer `durable` is paused on the server now (asked raw: the field is new in
+/// 2.11, and absent, so false, before).
+async fn paused(nats: &NatsStream, durable: &str) -> bool {
+    let info: serde_json::Value = nats
+        .js
+        .request(
+            format!("CONSUMER.INFO.{}.{durable}", nats.stream),
+            &serde_json::json!({}),
+        )
+        .await
+        .expect("consumer info");
+    info["paused"].as_bool().unwrap_or(false)
+}
+
+/// Whether a nats-server of `version` pauses consumers (2.11+).
+fn server_pauses_consumers(version: &str) -> bool {
+    let mut parts = version.split('.').map(|p| p.parse::<u64>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= (2, 11)
 }
 
 inbox_tests::on_server_backends!(outage_dead_letters_nothing);

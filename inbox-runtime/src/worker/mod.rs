@@ -212,6 +212,21 @@ where
             ));
         }
         tasks.spawn(relay_parked_letters(self.inner.clone(), shutdown.clone()));
+        {
+            let inner = self.inner.clone();
+            let stop = shutdown.clone();
+            tasks.spawn(async move {
+                let info = inner.consumer.cached_info();
+                circuit::mirror_on_server(
+                    &inner.circuit,
+                    &inner.jetstream,
+                    &info.stream_name,
+                    &info.name,
+                    &stop,
+                )
+                .await
+            });
+        }
         if let Some(sweep) = self.inner.settings.sweep {
             tasks.spawn(sweep_open_claims(
                 self.inner.clone(),
