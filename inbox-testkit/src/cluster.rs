@@ -85,6 +85,11 @@ impl PrivateCluster {
             .join(",")
     }
 
+    /// How many nodes it has ([`NODES`]).
+    pub fn nodes(&self) -> usize {
+        self.nodes.len()
+    }
+
     /// The client URL of node `i`.
     pub fn url(&self, i: usize) -> &str {
         &self.nodes[i].url

@@ -32,6 +32,8 @@
 //! nats-server that restarts, or a dead-letter stream that rejects its letter then) leaves the
 //! message neither applied nor dead-lettered, whatever the runtime does.
 
+mod cluster;
+
 use async_nats::jetstream::stream::{DiscardPolicy, RawMessageErrorKind};
 use async_nats::jetstream::{self, consumer::pull, message::StreamMessage, stream};
 use futures::StreamExt;
@@ -98,6 +100,8 @@ pub struct Options {
     /// Which runs: the `credit` run, the `email` run, or both.
     credit: bool,
     email: bool,
+    /// The `credit` run on a 3-node cluster instead (`--cluster`, `chaos/cluster.rs`).
+    cluster: bool,
 }
 
 impl Options {
@@ -110,6 +114,7 @@ impl Options {
             current_nats: false,
             credit: true,
             email: true,
+            cluster: false,
         }
     }
 
@@ -128,7 +133,14 @@ impl Options {
             current_nats,
             credit,
             email,
+            cluster: false,
         }
+    }
+
+    /// The `credit` run on a 3-node cluster of its own, instead of the single-server runs.
+    pub fn on_cluster(mut self) -> Options {
+        self.cluster = true;
+        self
     }
 }
 
@@ -616,6 +628,33 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
     } else {
         (inbox_testkit::nats_server_binary()?, "the machine's")
     };
+    if options.cluster {
+        let mut reports = Vec::new();
+        for &backend in &options.backends {
+            let n = options.messages;
+            println!(
+                "\n== chaos on a 3-node cluster, {} ({n} requests, nats-server {version})",
+                backend.name()
+            );
+            let binaries = (credit, nats_server.as_path());
+            reports.push(cluster::run(backend, n, binaries, &logs).await?);
+        }
+        cluster::ClusterReport::print(&reports);
+        let failed = reports.iter().filter(|r| !r.ok()).count();
+        println!(
+            "chaos --cluster: {} passed, {failed} failed",
+            reports.len() - failed
+        );
+        return if failed == 0 {
+            println!(
+                "\nexactly once through node kills, message by message: every request applied \
+                 once, every rejected message dead-lettered once, nothing else."
+            );
+            Ok(())
+        } else {
+            Err("chaos --cluster FAILED: see the findings above".into())
+        };
+    }
     let mut reports = Vec::new();
     let mut email_reports = Vec::new();
     for &backend in &options.backends {
@@ -774,7 +813,7 @@ async fn chaos(
         let client = inbox_testkit::connect(&nats.url).await?;
         let js = jetstream::new(client.clone());
         create_accounts(backend, &pool, n).await?;
-        let published = publish(&js, n, &run).await?;
+        let published = publish(&js, n, &run, 1).await?;
         let logs = |k: usize| logs.join(format!("{}-{run}-{k}.log", backend.name()));
         let watch = LetterWatch::start(&client).await?;
         let (faults, skipped) = supervise(
@@ -881,13 +920,19 @@ fn request(id: &str, account: usize, amount: i64) -> Vec<u8> {
     serde_json::to_vec(&body).expect("json")
 }
 
-/// Creates the stream, the consumer and the dead-letter stream (rejecting every letter), and
-/// publishes every message, keeping where each was stored.
-async fn publish(js: &jetstream::Context, n: usize, run: &str) -> Result<Published, String> {
+/// Creates the stream, the consumer and the dead-letter stream (rejecting every letter), each
+/// with `replicas` replicas, and publishes every message, keeping where each was stored.
+async fn publish(
+    js: &jetstream::Context,
+    n: usize,
+    run: &str,
+    replicas: usize,
+) -> Result<Published, String> {
     let stream = js
         .create_stream(stream::Config {
             name: STREAM.into(),
             subjects: vec![SUBJECT.into()],
+            num_replicas: replicas,
             // Finite, as `credit`'s cleanup requires.
             max_age: Duration::from_secs(3600),
             ..Default::default()
@@ -911,6 +956,7 @@ async fn publish(js: &jetstream::Context, n: usize, run: &str) -> Result<Publish
         subjects: vec![DLQ_SUBJECTS.into()],
         max_bytes: 1,
         discard: DiscardPolicy::New,
+        num_replicas: replicas,
         ..Default::default()
     })
     .await

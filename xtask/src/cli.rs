@@ -133,6 +133,10 @@ pub struct ChaosArgs {
     /// Which runs: credit, email or all.
     #[arg(long, value_enum, default_value = "all")]
     pub run: Runs,
+    /// Instead: the credit run on a 3-node JetStream cluster of its own (R3 streams), its
+    /// stream leader and a server the processes are connected to killed mid-run, twice each.
+    #[arg(long, conflicts_with = "run")]
+    pub cluster: bool,
 }
 
 /// Which chaos runs.
@@ -154,13 +158,18 @@ impl ChaosArgs {
             Runs::Email => (false, true),
             Runs::All => (true, true),
         };
-        chaos::Options::new(
+        let options = chaos::Options::new(
             self.db.0.clone(),
             self.messages as usize,
             self.release,
             self.nats == Nats::Current,
             (credit, email),
-        )
+        );
+        if self.cluster {
+            options.on_cluster()
+        } else {
+            options
+        }
     }
 }
 

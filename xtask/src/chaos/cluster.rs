@@ -1,0 +1,324 @@
+//! `cargo xtask chaos --cluster`: the `credit` run on a 3-node JetStream cluster of its own
+//! ([`PrivateCluster`]), the stream and its consumer replicated three times.
+//!
+//! **Publish** as the single-server run does (requests twice, poison payloads, overdraws,
+//! unopened accounts last), into an R3 stream; the dead-letter stream, R3 too, stores from the
+//! start (this run's faults are the servers').
+//!
+//! **Supervise**: three `credit` processes, given the server list in `NATS_URL`, work while the
+//! servers fail: four times, from a tenth of the requests applied on, a node is SIGKILLed, in
+//! turn the stream's leader and the follower with the most client connections (a server
+//! processes are connected to; the leader when no follower has any); each is restarted once the stream has a leader again, so that the
+//! cluster keeps its quorum for the next, which follows at once. Crashes stop once every
+//! message was handed out, as in the single-server run (see `chaos.rs`).
+//!
+//! **Verify** message by message with the single-server run's audit, and that every process
+//! exited 0 when stopped.
+
+use super::{
+    DURABLE, EXAMPLES, Findings, INSTANCES, LETTERS_WITHIN, Problem, STREAM, applied, audit,
+    audit_pool, create_accounts, lift_outage, observe, publish, stored_letters,
+};
+use async_nats::jetstream;
+use inbox_testkit::{
+    Backend, CreditConfig, CreditProcess, Database, Poll, PrivateCluster, backlog, unique,
+};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+/// The nodes killed, in this order: the first once a tenth of the requests is applied, each
+/// next as soon as the one before is back.
+const FAULTS: [Target; 4] = [
+    Target::Leader,
+    Target::Connected,
+    Target::Leader,
+    Target::Connected,
+];
+
+/// `CREDIT_CONCURRENCY` of each process: low, so that the run outlasts its four faults.
+const CONCURRENCY: &str = "2";
+
+/// Which node a fault kills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// The stream's leader.
+    Leader,
+    /// The node with the most client connections.
+    Connected,
+}
+
+/// One node kill.
+#[derive(Debug, Clone)]
+struct Kill {
+    target: Target,
+    node: usize,
+    /// Requests applied when it was killed.
+    applied: i64,
+    /// How long until the stream had a leader again.
+    election: Duration,
+}
+
+/// What one backend's cluster run came to.
+pub(crate) struct ClusterReport {
+    backend: Backend,
+    total: usize,
+    requests: usize,
+    dead_expected: usize,
+    findings: Findings,
+    kills: Vec<Kill>,
+    skipped: u64,
+}
+
+impl ClusterReport {
+    /// Every message ended as it must, and every node kill happened mid-run.
+    pub(crate) fn ok(&self) -> bool {
+        self.findings.problems.is_empty()
+            && self.findings.applied_once == self.requests
+            && self.findings.dead_once == self.dead_expected
+            && self.kills.len() == FAULTS.len()
+    }
+
+    /// The table row and, when it failed, what went wrong.
+    pub(crate) fn print(reports: &[ClusterReport]) {
+        let mut table = comfy_table::Table::new();
+        table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
+        table.set_header([
+            "backend (cluster)",
+            "published",
+            "applied once",
+            "dead",
+            "lost",
+            "twice",
+            "other",
+            "leader kills",
+            "conn. kills",
+            "longest election",
+            "killed (node@applied)",
+        ]);
+        for r in reports {
+            let f = &r.findings;
+            let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
+            let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
+            let of = |t: Target| r.kills.iter().filter(|k| k.target == t).count();
+            let longest = r.kills.iter().map(|k| k.election).max().unwrap_or_default();
+            table.add_row([
+                r.backend.name().to_owned(),
+                r.total.to_string(),
+                format!("{}/{}", f.applied_once, r.requests),
+                format!("{}/{}", f.dead_once, r.dead_expected),
+                lost.to_string(),
+                twice.to_string(),
+                other.to_string(),
+                of(Target::Leader).to_string(),
+                of(Target::Connected).to_string(),
+                format!("{:.1}s", longest.as_secs_f64()),
+                r.kills
+                    .iter()
+                    .map(|k| format!("n{}@{}", k.node, k.applied))
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ]);
+        }
+        println!("{table}");
+        for r in reports.iter().filter(|r| !r.ok()) {
+            println!("\n{} (cluster) FAILED:", r.backend.name());
+            for (problem, labels) in &r.findings.problems {
+                let shown = labels.iter().take(EXAMPLES).cloned().collect::<Vec<_>>();
+                println!(
+                    "  {}: {} — {}",
+                    problem.describe(),
+                    labels.len(),
+                    shown.join(", ")
+                );
+            }
+            if r.kills.len() < FAULTS.len() {
+                println!(
+                    "  only {} of {} node kills happened before the run drained",
+                    r.kills.len(),
+                    FAULTS.len()
+                );
+            }
+        }
+        let skipped: Vec<String> = reports
+            .iter()
+            .map(|r| format!("{} {}", r.backend.name(), r.skipped))
+            .collect();
+        println!(
+            "(node kills happen mid-run, each node restarted after the stream's next election; \
+             skipped by the processes: {})",
+            skipped.join(", ")
+        );
+    }
+}
+
+/// One backend's cluster run: its own cluster and database, publish, supervise, verify.
+pub(crate) async fn run(
+    backend: Backend,
+    n: usize,
+    (credit, nats_server): (&Path, &Path),
+    logs: &Path,
+) -> Result<ClusterReport, String> {
+    let run = unique("");
+    let mut cluster = PrivateCluster::start_binary(nats_server.to_owned()).await?;
+    let db = Database::create(backend, "inbox_chaos_cluster_").await?;
+    let pool = audit_pool(backend, &db)?;
+    let config = CreditConfig {
+        binary: credit.to_owned(),
+        nats_url: cluster.urls(),
+        database_url: db.url.clone(),
+        stream: STREAM.into(),
+        subject: super::SUBJECT.into(),
+        consumer: DURABLE.into(),
+        rust_log: "warn".into(),
+    };
+    let result = async {
+        let js = jetstream::new(cluster.connect().await?);
+        create_accounts(backend, &pool, n).await?;
+        let published = publish(&js, n, &run, 3).await?;
+        lift_outage(&js).await?;
+        let logs = |k: usize| logs.join(format!("cluster-{}-{run}-{k}.log", backend.name()));
+        let (kills, skipped) =
+            supervise(&config, logs, n, &mut cluster, &pool, &js, &published).await?;
+        let seen = observe(backend, &pool, &js).await?;
+        Ok(ClusterReport {
+            backend,
+            total: published.by_seq.len(),
+            requests: published.requests,
+            dead_expected: published.dead_expected,
+            findings: audit(&published, &seen),
+            kills,
+            skipped,
+        })
+    }
+    .await;
+    pool.close().await;
+    db.remove().await?;
+    result
+}
+
+/// Runs the processes through the node kills until the consumer has drained; every process must
+/// stop cleanly. Returns the kills and the duplicates the processes skipped.
+async fn supervise(
+    config: &CreditConfig,
+    log: impl Fn(usize) -> std::path::PathBuf,
+    n: usize,
+    cluster: &mut PrivateCluster,
+    pool: &sqlx::AnyPool,
+    js: &jetstream::Context,
+    published: &super::Published,
+) -> Result<(Vec<Kill>, u64), String> {
+    let env = || {
+        let env = vec![
+            ("NATS_URL", config.nats_url.clone()),
+            ("DATABASE_URL", config.database_url.clone()),
+            ("CREDIT_STREAM", config.stream.clone()),
+            ("CREDIT_SUBJECT", config.subject.clone()),
+            ("CREDIT_CONSUMER", config.consumer.clone()),
+            ("RUST_LOG", config.rust_log.clone()),
+            ("CREDIT_CONCURRENCY", CONCURRENCY.into()),
+        ];
+        env
+    };
+    let children: Vec<CreditProcess> = (0..INSTANCES)
+        .map(|k| CreditProcess::spawn_with("credit", &config.binary, &env(), Some(&log(k))))
+        .collect::<Result<_, _>>()?;
+    let deadline = Duration::from_secs(300) + Duration::from_millis(40 * n as u64);
+    let mut poll = Poll::new("the consumer to drain on the cluster", deadline);
+    let mut kills: Vec<Kill> = Vec::new();
+    let n = n as i64;
+    let mut applied_now = 0;
+    loop {
+        if let Ok(a) = applied(pool).await {
+            applied_now = a;
+        }
+        let backlog = backlog(js, STREAM, DURABLE).await.ok();
+        let drained = backlog.is_some_and(|b| b.drained());
+        let undelivered = backlog.is_none_or(|b| b.pending > 0);
+        if drained && kills.len() == FAULTS.len() {
+            break;
+        }
+        // Drained before every kill: the audit still runs, and the report says which are missing.
+        if drained && !undelivered && applied_now >= n {
+            break;
+        }
+        if let Some(&target) = FAULTS.get(kills.len())
+            && applied_now >= n / 10
+            && applied_now < n
+            && undelivered
+        {
+            kills.push(kill_one(cluster, js, target, applied_now).await?);
+        }
+        poll.tick()
+            .await
+            .map_err(|e| format!("{e} ({applied_now} of {n} applied, kills {kills:?})"))?;
+    }
+    let letters_expected = published.dead_expected as u64;
+    let mut wait = Poll::new("the letters to be stored", LETTERS_WITHIN);
+    while !stored_letters(js)
+        .await
+        .is_ok_and(|k| k >= letters_expected)
+    {
+        if wait.tick().await.is_err() {
+            break;
+        }
+    }
+    let mut skipped = 0;
+    for (k, child) in children.into_iter().enumerate() {
+        let summary = child.stop(Duration::from_secs(60)).await.map_err(|e| {
+            format!(
+                "credit #{k} did not stop cleanly on the cluster: {e} (log: {})",
+                log(k).display()
+            )
+        })?;
+        skipped += summary.skipped;
+    }
+    Ok((kills, skipped))
+}
+
+/// Kills the node `target` names, waits until the stream has a leader again, and restarts it.
+async fn kill_one(
+    cluster: &mut PrivateCluster,
+    js: &jetstream::Context,
+    target: Target,
+    applied: i64,
+) -> Result<Kill, String> {
+    let leader = cluster.wait_new_leader(js, STREAM, None).await?;
+    let node = match target {
+        Target::Leader => leader,
+        // A server some process is connected to, other than the leader when one is.
+        Target::Connected => {
+            let mut busiest = (0, leader);
+            for i in (0..cluster.nodes()).filter(|&i| i != leader) {
+                let connections = cluster.connections(i).await?;
+                if connections > busiest.0 {
+                    busiest = (connections, i);
+                }
+            }
+            busiest.1
+        }
+    };
+    println!(
+        "  killing node n{node} ({target:?}{}) with {applied} applied",
+        if node == leader {
+            ", the stream leader"
+        } else {
+            ""
+        }
+    );
+    cluster.kill(node);
+    let since = Instant::now();
+    cluster.wait_new_leader(js, STREAM, Some(node)).await?;
+    let election = since.elapsed();
+    cluster.restart(node).await?;
+    cluster.wait_ready().await?;
+    println!(
+        "  stream {STREAM} led again after {:.1}s; n{node} restarted",
+        election.as_secs_f64()
+    );
+    Ok(Kill {
+        target,
+        node,
+        applied,
+        election,
+    })
+}
