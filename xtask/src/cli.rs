@@ -133,6 +133,11 @@ pub struct ChaosArgs {
     /// Which runs: credit, email or all.
     #[arg(long, value_enum, default_value = "all")]
     pub run: Runs,
+    /// Instead, the database failover run (PostgreSQL): a private primary with a synchronous
+    /// standby, the primary killed mid-run, the standby promoted and `credit` pointed at it;
+    /// audited message by message.
+    #[arg(long)]
+    pub failover: bool,
 }
 
 /// Which chaos runs.
