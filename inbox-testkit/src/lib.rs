@@ -9,7 +9,10 @@
 //!   paused with SIGSTOP and resumed with SIGCONT, its summary line parsed into a [`Summary`];
 //! - [`Database`]: a fresh PostgreSQL or MariaDB database or SQLite file, whose connections can
 //!   be cut, removed when dropped;
-//! - [`TcpProxy`]: a forwarder that can be cut;
+//! - [`PrivatePostgres`]: a PostgreSQL of one's own (over TLS only, or in clear), and
+//!   [`PrimaryStandby`]: a primary with a streaming standby, to kill the primary and promote the
+//!   standby (failover);
+//! - [`TcpProxy`]: a forwarder that can be cut, or switched to another server;
 //! - [`wait_until`] and [`Poll`]: polling under a deadline (never a fixed sleep); [`unique`]
 //!   names.
 //!
@@ -34,7 +37,7 @@ pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
     publish_acked, publish_and_wait, publish_raw,
 };
-pub use pg::PrivatePostgres;
+pub use pg::{PrimaryStandby, PrivatePostgres, Replication};
 pub use proxy::TcpProxy;
 pub use sink::{Flaky, Sink, SinkCall, overlaps, why_again};
 pub use wait::{Poll, wait_until};

@@ -1,4 +1,5 @@
-//! A TCP forwarder of the test's own, to put in front of a server and cut.
+//! A TCP forwarder of the test's own, to put in front of a server, cut, or switch to another
+//! server (a failover's virtual IP moving to the promoted standby).
 
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -6,8 +7,9 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
 
 /// A TCP forwarder between the code under test and a server: started on a port reserved in
-/// advance (so that the code can be pointed at it while it is still down), and cut (every
-/// connection dropped) when the test says so or when it is dropped.
+/// advance (so that the code can be pointed at it while it is still down), cut (every
+/// connection dropped) when the test says so or when it is dropped, or switched to another
+/// server ([`TcpProxy::switch_to`]).
 #[derive(Debug)]
 pub struct TcpProxy {
     /// The port it listens on.
@@ -15,6 +17,10 @@ pub struct TcpProxy {
     task: Option<JoinHandle<()>>,
     /// A request to lose the reply to; see [`TcpProxy::lose_reply_to`].
     trap: Arc<Mutex<Option<Vec<u8>>>>,
+    /// Where new connections go (`host:port`).
+    upstream: Arc<Mutex<String>>,
+    /// Bumped by [`TcpProxy::switch_to`]: every connection forwarded before it is dropped.
+    switched: tokio::sync::watch::Sender<u64>,
 }
 
 impl TcpProxy {
@@ -24,6 +30,8 @@ impl TcpProxy {
             port: crate::nats::free_port()?,
             task: None,
             trap: Arc::default(),
+            upstream: Arc::default(),
+            switched: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -32,20 +40,36 @@ impl TcpProxy {
         let listener = TcpListener::bind(("127.0.0.1", self.port))
             .await
             .map_err(|e| format!("bind the proxy port {}: {e}", self.port))?;
-        let upstream = upstream.to_owned();
-        let trap = self.trap.clone();
+        *self.upstream.lock().expect("the upstream lock") = upstream.to_owned();
+        let (upstream, trap) = (self.upstream.clone(), self.trap.clone());
+        let switched = self.switched.clone();
         self.task = Some(tokio::spawn(async move {
             let mut links = JoinSet::new();
             while let Ok((inbound, _)) = listener.accept().await {
-                let (upstream, trap) = (upstream.clone(), trap.clone());
+                // Subscribed before the upstream is read: a switch in between severs the link
+                // rather than leaving it on the old server.
+                let mut switched = switched.subscribe();
+                let upstream = upstream.lock().expect("the upstream lock").clone();
+                let trap = trap.clone();
                 links.spawn(async move {
                     if let Ok(outbound) = TcpStream::connect(&upstream).await {
-                        forward(inbound, outbound, trap).await;
+                        tokio::select! {
+                            () = forward(inbound, outbound, trap) => {}
+                            _ = switched.changed() => {}
+                        }
                     }
                 });
             }
         }));
         Ok(())
+    }
+
+    /// Sends every new connection to `upstream` (`host:port`) from now on, and drops every
+    /// connection forwarded so far, as a virtual IP moved to another server would: the client
+    /// sees its connections lost and reconnects to the new server through the same address.
+    pub fn switch_to(&self, upstream: &str) {
+        *self.upstream.lock().expect("the upstream lock") = upstream.to_owned();
+        self.switched.send_modify(|n| *n += 1);
     }
 
     /// Arms a one-shot trap: the next client message that contains `needle` (a statement's
@@ -78,7 +102,9 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
     let losing = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let replies = tokio::spawn({
+    // Aborted when this ends or is dropped (a cut, a switch), so that no half of either socket
+    // outlives the link.
+    let mut replies = AbortOnDrop(tokio::spawn({
         let losing = losing.clone();
         async move {
             let mut buf = vec![0u8; 64 * 1024];
@@ -100,7 +126,7 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
                 }
             }
         }
-    });
+    }));
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         let n = match client_rx.read(&mut buf).await {
@@ -121,7 +147,7 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
             // Armed before the statement leaves, so that its answer is the one lost.
             losing.store(true, std::sync::atomic::Ordering::SeqCst);
             if server_tx.write_all(&buf[..n]).await.is_ok() {
-                let _ = replies.await;
+                let _ = (&mut replies.0).await;
             }
             return;
         }
@@ -129,7 +155,15 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
             break;
         }
     }
-    replies.abort();
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 impl Drop for TcpProxy {

@@ -48,6 +48,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+pub(crate) mod failover;
+
 /// Poison payloads: not JSON, dead-lettered at once.
 const POISON: usize = 5;
 /// Overdraws: a CHECK violation, dead-lettered at once.

@@ -137,6 +137,11 @@ pub struct ChaosArgs {
     /// stream leader and a server the processes are connected to killed mid-run, twice each.
     #[arg(long, conflicts_with = "run")]
     pub cluster: bool,
+    /// Instead, the database failover run (PostgreSQL): a private primary with a synchronous
+    /// standby, the primary killed mid-run, the standby promoted and `credit` pointed at it;
+    /// audited message by message.
+    #[arg(long, conflicts_with = "cluster")]
+    pub failover: bool,
 }
 
 /// Which chaos runs.

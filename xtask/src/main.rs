@@ -24,6 +24,7 @@ fn main() -> ExitCode {
     let result = match &cli.task {
         cli::Task::Demo => runtime.block_on(demo::run()),
         cli::Task::Bench(args) => runtime.block_on(bench::run(bench::Options::from_args(args))),
+        cli::Task::Chaos(args) if args.failover => runtime.block_on(chaos::failover::run(args)),
         cli::Task::Chaos(args) => runtime.block_on(chaos::run(args.options())),
         cli::Task::Test(args) => runtime.block_on(test(args)),
     };
