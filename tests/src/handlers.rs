@@ -37,6 +37,8 @@ impl Entry {
 #[derive(Debug, Default)]
 pub struct Probe {
     runs: AtomicUsize,
+    /// When each run started.
+    started: std::sync::Mutex<Vec<std::time::Instant>>,
     hold: bool,
     fail: bool,
     entered: Notify,
@@ -88,6 +90,11 @@ impl Probe {
         self.runs.load(Ordering::SeqCst)
     }
 
+    /// When each run of the body started, in order.
+    pub fn run_times(&self) -> Vec<std::time::Instant> {
+        self.started.lock().unwrap().clone()
+    }
+
     /// Waits until the body has written and holds at the gate.
     pub async fn entered(&self) {
         self.entered.notified().await
@@ -100,6 +107,7 @@ impl Probe {
 
     /// Called by the handler as its body starts.
     pub fn on_run(&self) {
+        self.started.lock().unwrap().push(std::time::Instant::now());
         self.runs.fetch_add(1, Ordering::SeqCst);
     }
 
