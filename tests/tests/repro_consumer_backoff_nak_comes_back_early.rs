@@ -6,10 +6,10 @@
 
 use async_nats::jetstream::consumer::pull;
 use inbox_runtime::Inbox;
+use inbox_testkit::wait_until;
 use inbox_tests::backends::{Postgres, TestBackend};
 use inbox_tests::handlers::{Failure, Probe};
 use inbox_tests::{MAX_DELIVER, NatsStream, Running};
-use inbox_testkit::wait_until;
 use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
