@@ -427,15 +427,14 @@ async fn partitioned_cleanup(
             .await?;
         } else {
             let seen = contents(conn, part, consumer).await?;
-            if seen.open_claims {
-                // Kept whole: an open claim outlives retention until it completes or is
-                // forgotten (the sweeper reports it); later partitions still go.
-                tracing::warn!(table = %table, partition = part, "partition past the cutoff holds open claims; kept");
-                continue;
-            }
-            if seen.others {
-                // Shared with other consumers, whose cutoffs may be later: only this
-                // consumer's markers go, row by row; the last consumer out drops it.
+            if seen.open_claims || seen.others {
+                // Not only ours to drop: an open claim outlives retention until it completes
+                // or is forgotten (the sweeper reports it), and other consumers' cutoffs may be
+                // later. Only this consumer's finished markers go, row by row, as on the
+                // unpartitioned table; the partition goes once the last row is gone.
+                if seen.open_claims {
+                    tracing::warn!(table = %table, partition = part, "a partition past the cutoff holds open claims; kept until they are done");
+                }
                 removed += delete_rows(conn, part, consumer, batch).await?;
                 let empty: bool = sqlx::query_scalar(raw(format!(
                     "SELECT NOT EXISTS (SELECT 1 FROM {part})"
