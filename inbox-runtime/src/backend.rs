@@ -2,9 +2,9 @@
 //! it is. A backend writes its dialect's SQL and overrides only what behaves differently; the
 //! statements every dialect runs alike have default bodies over sqlx's generic executor bounds.
 
+use crate::partition::{Layout, Partitions};
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
-use crate::partition::{Layout, Partitions};
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;

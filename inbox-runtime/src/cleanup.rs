@@ -130,12 +130,12 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .map(Some)
         } else {
             loop {
-            let sql = self.sql.cleanup.clone();
-            match DB::cleanup_batch(&mut conn.conn, sql, consumer, secs, limit).await {
-                Ok(done) if DB::rows_affected(&done) == 0 => break Ok(Some(deleted)),
-                Ok(done) => deleted += DB::rows_affected(&done),
-                Err(e) => break Err(e),
-            }
+                let sql = self.sql.cleanup.clone();
+                match DB::cleanup_batch(&mut conn.conn, sql, consumer, secs, limit).await {
+                    Ok(done) if DB::rows_affected(&done) == 0 => break Ok(Some(deleted)),
+                    Ok(done) => deleted += DB::rows_affected(&done),
+                    Err(e) => break Err(e),
+                }
             }
         };
         match DB::cleanup_unlock(&mut conn.conn, &lock).await {

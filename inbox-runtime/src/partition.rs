@@ -118,7 +118,9 @@ pub(crate) async fn run_upkeep<DB: InboxBackend>(
         }
         match inbox.add_partitions().await {
             Ok(0) => {}
-            Ok(n) => tracing::info!(table = %inbox.table(), created = n, "inbox partitions created"),
+            Ok(n) => {
+                tracing::info!(table = %inbox.table(), created = n, "inbox partitions created")
+            }
             Err(e) => {
                 tracing::warn!(table = %inbox.table(), error = %e, "creating inbox partitions failed")
             }

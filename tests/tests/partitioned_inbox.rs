@@ -19,7 +19,10 @@ mod postgres {
     async fn setup() -> (TestDb<sqlx::Postgres>, Inbox<sqlx::Postgres>) {
         let db = Postgres::create(4).await;
         let inbox = Inbox::new(db.pool.clone()).partitioned(Partitions::daily());
-        inbox.migrate().await.expect("migrate the partitioned inbox");
+        inbox
+            .migrate()
+            .await
+            .expect("migrate the partitioned inbox");
         (db, inbox)
     }
 

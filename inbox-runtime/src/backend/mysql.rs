@@ -10,8 +10,8 @@
 //! TRANSACTION`.
 
 use super::TableName;
-use crate::partition::Layout;
 use super::sealed::{Backend, Claim};
+use crate::partition::Layout;
 use sqlx::{AssertSqlSafe, MySql, SqlSafeStr, SqlStr, Transaction};
 use std::time::Duration;
 

@@ -436,11 +436,10 @@ async fn partitioned_cleanup(
                     tracing::warn!(table = %table, partition = part, "a partition past the cutoff holds open claims; kept until they are done");
                 }
                 removed += delete_rows(conn, part, consumer, batch).await?;
-                let empty: bool = sqlx::query_scalar(raw(format!(
-                    "SELECT NOT EXISTS (SELECT 1 FROM {part})"
-                )))
-                .fetch_one(&mut *conn)
-                .await?;
+                let empty: bool =
+                    sqlx::query_scalar(raw(format!("SELECT NOT EXISTS (SELECT 1 FROM {part})")))
+                        .fetch_one(&mut *conn)
+                        .await?;
                 if !empty {
                     continue;
                 }

@@ -4,8 +4,8 @@
 //! RETURNING id` (the default claim). Use WAL and a busy timeout (see [`sqlite_options`](crate::sqlite_options)).
 
 use super::TableName;
-use crate::partition::Layout;
 use super::sealed::{Backend, Claim};
+use crate::partition::Layout;
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr, Sqlite, Transaction};
 use std::time::Duration;
 
