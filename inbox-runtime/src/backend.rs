@@ -2,6 +2,7 @@
 //! it is. A backend writes its dialect's SQL and overrides only what behaves differently; the
 //! statements every dialect runs alike have default bodies over sqlx's generic executor bounds.
 
+use crate::partition::{Layout, Partitions};
 use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::fmt;
@@ -208,7 +209,11 @@ impl ClaimStatements {
 }
 
 impl Statements {
-    pub(crate) fn new<DB: InboxBackend>(table: &TableName, lock_timeout: Duration) -> Self {
+    pub(crate) fn new<DB: InboxBackend>(
+        table: &TableName,
+        layout: &Layout,
+        lock_timeout: Duration,
+    ) -> Self {
         Statements {
             begin: DB::begin_sql(lock_timeout),
             park: sql(format!(
@@ -226,7 +231,7 @@ impl Statements {
                 "DELETE FROM {table}_dead_letters WHERE id = {}",
                 DB::param(1)
             )),
-            claim: DB::claim_sql(table),
+            claim: DB::claim_sql(table, layout),
             finish: DB::finish_sql(table),
             cleanup: DB::cleanup_sql(table),
             done: DB::done_sql(table),
@@ -277,9 +282,10 @@ pub(crate) mod sealed {
         /// `message_key` as text (MySQL stores it as bytes, compared exactly).
         const KEY_TEXT: &'static str = "message_key";
 
-        /// The claim statement for `table`. Binds: consumer, key. PostgreSQL and SQLite return
-        /// the new row's id, or no row for a duplicate (the default [`Backend::claim`]).
-        fn claim_sql(table: &TableName) -> SqlStr;
+        /// The claim statement for `table` in `layout`. Binds: consumer, key. PostgreSQL and
+        /// SQLite return the new row's id, or no row (or NULL) for a duplicate (the default
+        /// [`Backend::claim`]). Only PostgreSQL is ever given [`Layout::Partitioned`].
+        fn claim_sql(table: &TableName, layout: &Layout) -> SqlStr;
 
         /// Sets `processed_at` on the marker whose id is bound, in the message's transaction.
         fn finish_sql(table: &TableName) -> SqlStr;
@@ -291,8 +297,8 @@ pub(crate) mod sealed {
         /// The `n`th bind placeholder (from 1) in this dialect: `$1`, `?` or `?1`.
         fn param(n: usize) -> String;
 
-        /// The migrations that create and evolve `table`, in order.
-        fn migration_sql(table: &TableName) -> Vec<String>;
+        /// The migrations that create and evolve `table` in `layout`, in order.
+        fn migration_sql(table: &TableName, layout: &Layout) -> Vec<String>;
 
         /// Deletes at most `?3` finished markers of consumer `?1` received more than `?2` seconds
         /// (a float) ago, oldest first. Never an open claim (`processed_at IS NULL`).
@@ -349,12 +355,12 @@ pub(crate) mod sealed {
         /// duplicates in one statement overrides it.
         fn claim_many<'a, 'c>(
             tx: &'a mut Transaction<'c, Self>,
-            table: &'a TableName,
+            (table, layout): (&'a TableName, &'a Layout),
             claim: SqlStr,
             consumer: &'a str,
             keys: &'a [&'a str],
         ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send + 'a {
-            let _ = table;
+            let _ = (table, layout);
             async move {
                 let mut claims = Vec::with_capacity(keys.len());
                 for key in keys {
@@ -382,6 +388,34 @@ pub(crate) mod sealed {
         ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
             let _ = (conn, name);
             std::future::ready(Ok(()))
+        }
+
+        /// Partitioned layout: creates the partitions of `table` from the current one to
+        /// `partitions.ahead` beyond it that do not exist yet, one instance at a time; returns
+        /// how many it created. Only a dialect that has the layout overrides it.
+        fn add_partitions<'a>(
+            conn: &'a mut Self::Connection,
+            table: &'a TableName,
+            partitions: &'a Partitions,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a {
+            let _ = (conn, table, partitions);
+            std::future::ready(Ok(0))
+        }
+
+        /// Partitioned layout, on a connection holding the cleanup lock: removes `consumer`'s
+        /// finished markers in the partitions whose whole range is more than `older_than_secs`
+        /// old, by dropping the partition when nothing else is in it (no open claim, no other
+        /// consumer's marker), else by deleting them in batches of `batch`. Returns how many
+        /// markers went.
+        fn drop_partitions<'a>(
+            conn: &'a mut Self::Connection,
+            table: &'a TableName,
+            consumer: &'a str,
+            older_than_secs: f64,
+            batch: i64,
+        ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a {
+            let _ = (conn, table, consumer, older_than_secs, batch);
+            std::future::ready(Ok(0))
         }
     }
 
@@ -673,8 +707,8 @@ pub(crate) fn finish_many_sql<DB: InboxBackend>(table: &TableName, ids: &[i64]) 
 
 /// The migrator for `table`: the backend's migrations, tracked in a migrations table of our own
 /// (`_<table>_migrations`) so that they never mix with the application's `_sqlx_migrations`.
-pub(crate) fn migrator<DB: InboxBackend>(table: &TableName) -> Migrator {
-    let migrations = DB::migration_sql(table)
+pub(crate) fn migrator<DB: InboxBackend>(table: &TableName, layout: &Layout) -> Migrator {
+    let migrations = DB::migration_sql(table, layout)
         .into_iter()
         .enumerate()
         .map(|(i, sql)| {

@@ -98,7 +98,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         let mut claimed = Vec::with_capacity(keys.len());
         let claims = DB::claim_many(
             &mut tx,
-            self.table(),
+            (self.table(), &self.layout()),
             self.sql.claim.clone(),
             H::CONSUMER,
             keys,

@@ -4,6 +4,7 @@
 //! lock are the backends' (`backend/*`); the rules are here.
 
 use crate::backend::InboxBackend;
+use crate::partition::Layout;
 use crate::store::Inbox;
 use async_nats::jetstream::consumer::{self, PullConsumer};
 use async_nats::jetstream::stream::{self, RawMessageErrorKind, Stream};
@@ -96,6 +97,11 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// a time across the fleet. Returns how many were deleted, or `None` when another instance
     /// is cleaning up. Open claims are never deleted.
     ///
+    /// A [partitioned](Inbox::partitioned) inbox drops, instead, the partitions whose whole
+    /// range is older than the same cutoff and that hold nothing else (no open claim, no other
+    /// consumer's marker); where something else is left, it deletes the consumer's finished
+    /// markers of that partition in batches, and the partition goes once it is empty.
+    ///
     /// `older_than` must cover every possible redelivery: see [`retention_floor`].
     pub async fn cleanup(
         &self,
@@ -117,12 +123,19 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
         let (secs, limit) = (older_than.as_secs_f64(), i64::from(batch.max(1)));
         let mut deleted = 0;
-        let result = loop {
-            let sql = self.sql.cleanup.clone();
-            match DB::cleanup_batch(&mut conn.conn, sql, consumer, secs, limit).await {
-                Ok(done) if DB::rows_affected(&done) == 0 => break Ok(Some(deleted)),
-                Ok(done) => deleted += DB::rows_affected(&done),
-                Err(e) => break Err(e),
+        let result = if let Layout::Partitioned(_) = self.layout() {
+            // Whole partitions past the same cutoff: see `partition.rs`.
+            DB::drop_partitions(&mut conn.conn, self.table(), consumer, secs, limit)
+                .await
+                .map(Some)
+        } else {
+            loop {
+                let sql = self.sql.cleanup.clone();
+                match DB::cleanup_batch(&mut conn.conn, sql, consumer, secs, limit).await {
+                    Ok(done) if DB::rows_affected(&done) == 0 => break Ok(Some(deleted)),
+                    Ok(done) => deleted += DB::rows_affected(&done),
+                    Err(e) => break Err(e),
+                }
             }
         };
         match DB::cleanup_unlock(&mut conn.conn, &lock).await {

@@ -17,6 +17,7 @@ mod delivery;
 mod handler;
 mod key;
 pub mod metrics;
+mod partition;
 mod store;
 mod worker;
 
@@ -38,6 +39,7 @@ pub use delivery::MsgPack;
 pub use delivery::{Codec, Delivery, Json, Raw, TraceParent};
 pub use handler::{BoxError, Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
+pub use partition::Partitions;
 
 /// The `sqlx` this crate is built with: name its types (`inbox_runtime::sqlx::PgPool`) without
 /// a dependency of your own at exactly this version.

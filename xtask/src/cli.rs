@@ -211,6 +211,16 @@ pub struct BenchArgs {
     /// Also write the results to docs/bench/.
     #[arg(long)]
     pub save: bool,
+    /// Instead of the contenders: the PostgreSQL inbox at scale, unpartitioned (cleanup by
+    /// DELETE) against partitioned (cleanup by dropping partitions), at each `--markers` count.
+    #[arg(long)]
+    pub inbox_scale: bool,
+    /// With --inbox-scale: the marker counts to load (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "0,1000000")]
+    pub markers: Vec<u64>,
+    /// With --inbox-scale: claims timed per layout and count.
+    #[arg(long, default_value_t = 2_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub claims: u64,
 }
 
 #[cfg(test)]
@@ -233,6 +243,12 @@ mod tests {
         assert_eq!(b.db, Backends(vec![Backend::Sqlite]));
         assert_eq!((b.messages, b.inbox_rows.clone()), (1000, vec![0, 1000]));
         let _ = o;
+        let Ok(Task::Bench(b)) = parse("bench --inbox-scale --markers 0,10000000 --claims 50")
+        else {
+            panic!("inbox-scale options did not parse");
+        };
+        assert!(b.inbox_scale);
+        assert_eq!((b.markers.clone(), b.claims), (vec![0, 10_000_000], 50));
         for (line, named) in [
             ("bench --messages 0", "--messages"),
             ("bench --db oracle", "oracle"),

@@ -5,6 +5,7 @@ mod chaos;
 mod chaos_email;
 mod cli;
 mod demo;
+mod inbox_scale;
 mod nats_current;
 mod services;
 
@@ -23,6 +24,12 @@ fn main() -> ExitCode {
     };
     let result = match &cli.task {
         cli::Task::Demo => runtime.block_on(demo::run()),
+        cli::Task::Bench(args) if args.inbox_scale => {
+            runtime.block_on(inbox_scale::run(inbox_scale::Options {
+                markers: args.markers.clone(),
+                claims: args.claims as usize,
+            }))
+        }
         cli::Task::Bench(args) => runtime.block_on(bench::run(bench::Options::from_args(args))),
         cli::Task::Chaos(args) if args.failover => runtime.block_on(chaos::failover::run(args)),
         cli::Task::Chaos(args) => runtime.block_on(chaos::run(args.options())),
@@ -48,9 +55,17 @@ async fn test(options: &cli::TestArgs) -> Result<(), String> {
     let current = options.nats == Some(cli::Nats::Current);
     let backends = db.map_or(Backend::ALL.to_vec(), |b| vec![b]);
     services::ensure(&services::needed(&backends)).await?;
+    // PostgreSQL's tests include those of its partitioned layout (`postgres_partitioned::`).
+    let prefixes = |b: Backend| match b {
+        Backend::Postgres => vec!["postgres".to_owned(), "postgres_partitioned".to_owned()],
+        other => vec![other.name().to_owned()],
+    };
     let filters: Vec<String> = match (db, filters) {
-        (Some(b), []) => vec![format!("{}::", b.name())],
-        (Some(b), f) => f.iter().map(|f| format!("{}::{f}", b.name())).collect(),
+        (Some(b), []) => prefixes(b).iter().map(|p| format!("{p}::")).collect(),
+        (Some(b), f) => prefixes(b)
+            .iter()
+            .flat_map(|p| f.iter().map(move |f| format!("{p}::{f}")))
+            .collect(),
         (None, f) => f.to_vec(),
     };
     let mut args = vec!["test", "--workspace", "--"];

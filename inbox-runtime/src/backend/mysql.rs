@@ -11,6 +11,7 @@
 
 use super::TableName;
 use super::sealed::{Backend, Claim};
+use crate::partition::Layout;
 use sqlx::{AssertSqlSafe, MySql, SqlSafeStr, SqlStr, Transaction};
 use std::time::Duration;
 
@@ -31,7 +32,7 @@ impl Backend for MySql {
         )
     }
 
-    fn claim_sql(table: &TableName) -> SqlStr {
+    fn claim_sql(table: &TableName, _layout: &Layout) -> SqlStr {
         AssertSqlSafe(format!(
             "INSERT INTO {table} (consumer, message_key) VALUES (?, ?) \
              ON DUPLICATE KEY UPDATE dup_count = dup_count + 1"
@@ -58,7 +59,7 @@ impl Backend for MySql {
         done.rows_affected()
     }
 
-    fn migration_sql(table: &TableName) -> Vec<String> {
+    fn migration_sql(table: &TableName, _layout: &Layout) -> Vec<String> {
         // Binary collation: keys "A" and "a" are different messages.
         let create = format!(
             "CREATE TABLE IF NOT EXISTS {table} (

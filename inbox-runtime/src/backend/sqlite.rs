@@ -5,6 +5,7 @@
 
 use super::TableName;
 use super::sealed::{Backend, Claim};
+use crate::partition::Layout;
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr, Sqlite, Transaction};
 use std::time::Duration;
 
@@ -28,7 +29,7 @@ impl Backend for Sqlite {
 
     async fn claim_many<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
-        table: &'a TableName,
+        (table, _layout): (&'a TableName, &'a Layout),
         _claim: SqlStr,
         consumer: &'a str,
         keys: &'a [&'a str],
@@ -54,7 +55,7 @@ impl Backend for Sqlite {
         Ok(claims)
     }
 
-    fn claim_sql(table: &TableName) -> SqlStr {
+    fn claim_sql(table: &TableName, _layout: &Layout) -> SqlStr {
         AssertSqlSafe(format!(
             "INSERT INTO {table} (consumer, message_key) VALUES (?1, ?2) \
              ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id"
@@ -81,7 +82,7 @@ impl Backend for Sqlite {
         done.rows_affected()
     }
 
-    fn migration_sql(table: &TableName) -> Vec<String> {
+    fn migration_sql(table: &TableName, _layout: &Layout) -> Vec<String> {
         vec![format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 id INTEGER PRIMARY KEY AUTOINCREMENT,

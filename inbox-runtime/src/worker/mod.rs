@@ -211,6 +211,14 @@ where
                 stop,
             ));
         }
+        if let Some(partitions) = self.inner.inbox.partitions() {
+            let inbox = self.inner.inbox.clone();
+            tasks.spawn(crate::partition::run_upkeep(
+                inbox,
+                partitions,
+                shutdown.clone(),
+            ));
+        }
         tasks.spawn(relay_parked_letters(self.inner.clone(), shutdown.clone()));
         {
             let inner = self.inner.clone();

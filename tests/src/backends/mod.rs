@@ -7,11 +7,11 @@ pub mod postgres;
 pub mod sqlite;
 
 pub use mysql::MySql;
-pub use postgres::Postgres;
+pub use postgres::{Postgres, PostgresPartitioned};
 pub use sqlite::Sqlite;
 
 use crate::handlers::{Entry, Probe};
-use inbox_runtime::{Backoff, Handler, InboxBackend};
+use inbox_runtime::{Backoff, Handler, Inbox, InboxBackend};
 use inbox_testkit::{Backend, Database};
 use sqlx::pool::{PoolConnection, PoolOptions};
 use sqlx::{Connection, Pool};
@@ -57,6 +57,11 @@ pub trait TestBackend: Send + Sync + 'static {
 
     /// The business tables (`ledger`, `accounts`, `payments`) in this dialect.
     const TABLES: [&'static str; 3];
+
+    /// The inbox on `pool`, in this backend's table layout.
+    fn inbox(pool: Pool<Self::Db>) -> Inbox<Self::Db> {
+        Inbox::new(pool)
+    }
 
     /// A pool of `max` connections on the database at `url`: with [`TestDb::url`], another
     /// "instance".

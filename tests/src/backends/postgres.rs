@@ -2,6 +2,7 @@
 //! `postgres://postgres@127.0.0.1:5432/test`) per test.
 
 use super::{TestBackend, common_queries, server_queries};
+use inbox_runtime::{Inbox, Partitions};
 use inbox_testkit::Backend;
 
 /// PostgreSQL.
@@ -18,7 +19,18 @@ pub mod handlers {
     );
 }
 
-impl TestBackend for Postgres {
+/// PostgreSQL with the partitioned inbox ([`Inbox::partitioned`], daily partitions): the
+/// behaviours that must hold whatever the layout run on it too (`suite::partitioned_too!`).
+pub struct PostgresPartitioned;
+
+/// The impl both layouts share; `$inbox` makes the inbox on a pool.
+macro_rules! postgres_backend {
+    ($ty:ty, $inbox:expr) => {
+        impl TestBackend for $ty {
+            fn inbox(pool: sqlx::PgPool) -> Inbox<sqlx::Postgres> {
+                $inbox(pool)
+            }
+
     type Db = sqlx::Postgres;
     type Ledger = handlers::ledger;
     type LedgerByTransportId = handlers::ledger_by_transport_id;
@@ -52,4 +64,10 @@ impl TestBackend for Postgres {
         waiting_writers = "SELECT count(*) FROM pg_stat_activity \
                            WHERE datname = $1 AND wait_event_type = 'Lock'"
     );
+        }
+    };
 }
+
+postgres_backend!(Postgres, Inbox::new);
+postgres_backend!(PostgresPartitioned, |pool| Inbox::new(pool)
+    .partitioned(Partitions::daily()));

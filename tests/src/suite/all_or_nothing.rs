@@ -84,6 +84,7 @@ async fn check_violation_is_dead_lettered_not_acked<B: TestBackend>() {
 }
 
 super::behaviours!(
+    partitioned_too;
     check_violation_rolls_back_the_marker,
     check_violation_is_dead_lettered_not_acked
 );

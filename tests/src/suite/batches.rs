@@ -143,6 +143,7 @@ async fn a_crash_after_commit_before_the_acks_skips_the_redeliveries<B: TestBack
 }
 
 super::behaviours!(
+    partitioned_too;
     duplicates_inside_one_batch_are_skipped,
     a_failure_mid_batch_is_handled_alone,
     a_crash_after_commit_before_the_acks_skips_the_redeliveries,

@@ -47,4 +47,6 @@ async fn business_unique_violation_is_an_error_not_a_skip<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM payments").await, 1);
 }
 
-super::behaviours!(business_unique_violation_is_an_error_not_a_skip);
+super::behaviours!(
+    partitioned_too;
+    business_unique_violation_is_an_error_not_a_skip);

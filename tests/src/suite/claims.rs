@@ -17,7 +17,6 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Remote};
 use crate::{MAX_DELIVER, NatsStream, Running};
-use inbox_runtime::Inbox;
 use inbox_testkit::wait_until;
 use std::time::Duration;
 
@@ -34,7 +33,7 @@ async fn racing_twins_make_one_call<B: TestBackend>() {
     let lease = Duration::from_millis(900);
     let mut workers = Vec::new();
     for _ in 0..2 {
-        let inbox = Inbox::new(B::connect(&db.url, 4).await).lease(lease);
+        let inbox = B::inbox(B::connect(&db.url, 4).await).lease(lease);
         let consumer = nats.consumer_on_new_connection("c").await;
         let worker = nats
             .worker(inbox, consumer)
@@ -248,6 +247,7 @@ async fn failing_side_effect_releases_the_lease_and_dead_letters<B: TestBackend>
 }
 
 super::behaviours!(
+    partitioned_too;
     racing_twins_make_one_call,
     held_claim_on_the_last_delivery_is_waited_out,
     failing_side_effect_releases_the_lease_and_dead_letters,

@@ -6,7 +6,7 @@ use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, Running};
 use futures::StreamExt;
-use inbox_runtime::{Inbox, Outcome, process_delivery};
+use inbox_runtime::{Outcome, process_delivery};
 use inbox_testkit::{Poll, wait_until};
 use std::time::Duration;
 
@@ -160,7 +160,7 @@ async fn repro_cancelled_cleanup_keeps_the_lock<B: TestBackend>() {
     drop(blocker);
 
     // Another instance can clean up again.
-    let other = Inbox::new(B::connect(&db.url, 1).await);
+    let other = B::inbox(B::connect(&db.url, 1).await);
     let mut poll = Poll::new(
         "another instance to get the cleanup lock",
         Duration::from_secs(30),

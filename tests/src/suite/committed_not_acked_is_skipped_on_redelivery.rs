@@ -53,4 +53,6 @@ async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 }
 
-super::behaviours!(committed_but_not_acked_is_skipped_on_redelivery);
+super::behaviours!(
+    partitioned_too;
+    committed_but_not_acked_is_skipped_on_redelivery);

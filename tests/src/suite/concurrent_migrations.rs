@@ -3,20 +3,20 @@
 //! a duplicate migration row and the process exited).
 
 use crate::backends::TestBackend;
-use inbox_runtime::{Inbox, Outcome};
+use inbox_runtime::Outcome;
 
 /// The test.
 async fn instances_migrating_together_all_succeed<B: TestBackend>() {
     let db = B::create(1).await;
     let mut starts = Vec::new();
     for _ in 0..4 {
-        let inbox = Inbox::new(B::connect(&db.url, 1).await);
+        let inbox = B::inbox(B::connect(&db.url, 1).await);
         starts.push(tokio::spawn(async move { inbox.migrate().await }));
     }
     for start in starts {
         start.await.unwrap().expect("a racing migration failed");
     }
-    let inbox = Inbox::new(db.pool.clone());
+    let inbox = B::inbox(db.pool.clone());
     let entry = crate::handlers::Entry::new("k", 1, 1);
     let outcome = inbox
         .process(
@@ -35,7 +35,7 @@ async fn instances_migrating_together_all_succeed<B: TestBackend>() {
 /// at every start. The DDL is idempotent: the dirty step is run again.
 async fn repro_interrupted_migration_blocks_every_restart<B: TestBackend>() {
     let db = B::create(1).await;
-    let inbox = Inbox::new(db.pool.clone());
+    let inbox = B::inbox(db.pool.clone());
     inbox.migrate().await.expect("first migration");
     // What sqlx leaves behind when the process dies inside a step: the row written as it
     // began, with success still false.
@@ -64,6 +64,7 @@ async fn repro_interrupted_migration_blocks_every_restart<B: TestBackend>() {
 }
 
 super::behaviours!(
+    partitioned_too;
     instances_migrating_together_all_succeed,
     repro_interrupted_migration_blocks_every_restart,
 );

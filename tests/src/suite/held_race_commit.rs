@@ -20,4 +20,6 @@ async fn held_race_commit_makes_the_twin_skip<B: TestBackend>() {
     assert_eq!(B::count(&race.db, "SELECT count(*) FROM inbox").await, 1);
 }
 
-super::behaviours!(held_race_commit_makes_the_twin_skip);
+super::behaviours!(
+    partitioned_too;
+    held_race_commit_makes_the_twin_skip);

@@ -17,4 +17,6 @@ async fn held_race_rollback_lets_the_twin_apply<B: TestBackend>() {
     assert_eq!(B::count(&race.db, "SELECT count(*) FROM inbox").await, 1);
 }
 
-super::behaviours!(held_race_rollback_lets_the_twin_apply);
+super::behaviours!(
+    partitioned_too;
+    held_race_rollback_lets_the_twin_apply);

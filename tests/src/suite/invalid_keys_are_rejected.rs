@@ -91,6 +91,7 @@ async fn repro_nul_in_key_differs_by_backend<B: TestBackend>() {
 }
 
 super::behaviours!(
+    partitioned_too;
     empty_long_and_missing_keys_are_rejected,
     repro_nul_in_key_differs_by_backend,
 );

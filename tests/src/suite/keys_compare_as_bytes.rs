@@ -43,4 +43,6 @@ async fn repro_keys_differing_by_trailing_spaces_collide<B: TestBackend>() {
     assert_eq!(markers, keys.len() as i64);
 }
 
-super::behaviours!(repro_keys_differing_by_trailing_spaces_collide);
+super::behaviours!(
+    partitioned_too;
+    repro_keys_differing_by_trailing_spaces_collide);

@@ -12,7 +12,15 @@
 
 /// Declares a suite file's behaviours: a `#[tokio::test]` for each, on every backend. Adding a
 /// backend is one line here (and its [`TestBackend`](crate::backends::TestBackend) impl).
+///
+/// `behaviours!(partitioned_too; fn_a, fn_b)` runs them on PostgreSQL's partitioned inbox too
+/// (`<file>::postgres_partitioned::<fn>`): every behaviour that must hold whatever the table's
+/// layout (all but the row-by-row cleanup's, whose cutoff a partition only meets whole).
 macro_rules! behaviours {
+    (partitioned_too; $($test:ident),+ $(,)?) => {
+        super::behaviours!($($test),+);
+        super::on_backend!(postgres_partitioned, crate::backends::PostgresPartitioned; $($test),+);
+    };
     ($($test:ident),+ $(,)?) => {
         super::on_backend!(postgres, crate::backends::Postgres; $($test),+);
         super::on_backend!(mysql, crate::backends::MySql; $($test),+);
@@ -65,7 +73,7 @@ use inbox_runtime::Inbox;
 /// A fresh database of `B` with the inbox migrated, and the inbox on it.
 async fn setup<B: TestBackend>(max: u32) -> (TestDb<B::Db>, Inbox<B::Db>) {
     let db = B::create(max).await;
-    let inbox = Inbox::new(db.pool.clone());
+    let inbox = B::inbox(db.pool.clone());
     inbox.migrate().await.expect("migrate the inbox");
     (db, inbox)
 }

@@ -25,7 +25,7 @@ async fn nats_restart_mid_stream_keeps_exactly_once<B: TestBackend>() {
         .collect();
     nats.publish_all(entries).await;
 
-    let inbox = inbox_runtime::Inbox::new(B::connect(&db.url, 4).await);
+    let inbox = B::inbox(B::connect(&db.url, 4).await);
     let worker = nats
         .worker(inbox, nats.consumer_on_new_connection("c").await)
         .build_with_state(B::Ledger::default(), Probe::open())

@@ -6,7 +6,6 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, Running};
-use inbox_runtime::Inbox;
 use inbox_testkit::wait_until;
 use std::time::Duration;
 
@@ -28,7 +27,7 @@ async fn two_instances_apply_each_message_once<B: TestBackend>() {
 
     let mut workers = Vec::new();
     for _ in 0..2 {
-        let inbox = Inbox::new(B::connect(&db.url, 8).await);
+        let inbox = B::inbox(B::connect(&db.url, 8).await);
         let consumer = nats.consumer_on_new_connection("c").await;
         let worker = nats
             .worker(inbox, consumer)
@@ -73,4 +72,6 @@ async fn two_instances_apply_each_message_once<B: TestBackend>() {
     assert_eq!((info.num_pending, info.num_ack_pending), (0, 0));
 }
 
-super::behaviours!(two_instances_apply_each_message_once);
+super::behaviours!(
+    partitioned_too;
+    two_instances_apply_each_message_once);
