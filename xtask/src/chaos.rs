@@ -419,6 +419,32 @@ impl Findings {
     fn count(&self, problem: Problem) -> usize {
         self.problems.get(&problem).map_or(0, Vec::len)
     }
+
+    /// Messages lost, applied twice, and with any other problem: the report tables' columns.
+    fn tally(&self) -> (usize, usize, usize) {
+        let (lost, twice) = (self.count(Problem::Lost), self.count(Problem::AppliedTwice));
+        let all: usize = self.problems.values().map(Vec::len).sum();
+        (lost, twice, all - lost - twice)
+    }
+
+    /// Prints each problem with its count and the first few messages it concerns.
+    fn print_problems(&self) {
+        for (problem, labels) in &self.problems {
+            let shown = labels.iter().take(EXAMPLES).cloned().collect::<Vec<_>>();
+            let more = labels.len().saturating_sub(EXAMPLES);
+            let more = if more > 0 {
+                format!(", and {more} more")
+            } else {
+                String::new()
+            };
+            println!(
+                "  {}: {} — {}{more}",
+                problem.describe(),
+                labels.len(),
+                shown.join(", ")
+            );
+        }
+    }
 }
 
 /// Checks every published message against what the run left behind.
@@ -718,8 +744,7 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
                 Outage::Rejecting { .. } => "no".into(),
             };
             let f = &r.findings;
-            let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
-            let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
+            let (lost, twice, other) = f.tally();
             table.add_row([
                 r.backend.name().to_owned(),
                 r.total.to_string(),
@@ -753,21 +778,7 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
     }
     for r in reports.iter().filter(|r| !r.ok()) {
         println!("\n{} FAILED:", r.backend.name());
-        for (problem, labels) in &r.findings.problems {
-            let shown = labels.iter().take(EXAMPLES).cloned().collect::<Vec<_>>();
-            let more = labels.len().saturating_sub(EXAMPLES);
-            let more = if more > 0 {
-                format!(", and {more} more")
-            } else {
-                String::new()
-            };
-            println!(
-                "  {}: {} — {}{more}",
-                problem.describe(),
-                labels.len(),
-                shown.join(", ")
-            );
-        }
+        r.findings.print_problems();
         for missing in r.faults.missing() {
             println!("  fault missing: {missing}");
         }

@@ -16,8 +16,8 @@
 //! exited 0 when stopped.
 
 use super::{
-    DURABLE, EXAMPLES, Findings, INSTANCES, LETTERS_WITHIN, Problem, STREAM, applied, audit,
-    audit_pool, create_accounts, lift_outage, observe, publish, stored_letters,
+    DURABLE, Findings, INSTANCES, LETTERS_WITHIN, STREAM, applied, audit, audit_pool,
+    create_accounts, lift_outage, observe, publish, stored_letters,
 };
 use async_nats::jetstream;
 use inbox_testkit::{
@@ -97,8 +97,7 @@ impl ClusterReport {
         ]);
         for r in reports {
             let f = &r.findings;
-            let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
-            let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
+            let (lost, twice, other) = f.tally();
             let of = |t: Target| r.kills.iter().filter(|k| k.target == t).count();
             let longest = r.kills.iter().map(|k| k.election).max().unwrap_or_default();
             table.add_row([
@@ -122,15 +121,7 @@ impl ClusterReport {
         println!("{table}");
         for r in reports.iter().filter(|r| !r.ok()) {
             println!("\n{} (cluster) FAILED:", r.backend.name());
-            for (problem, labels) in &r.findings.problems {
-                let shown = labels.iter().take(EXAMPLES).cloned().collect::<Vec<_>>();
-                println!(
-                    "  {}: {} — {}",
-                    problem.describe(),
-                    labels.len(),
-                    shown.join(", ")
-                );
-            }
+            r.findings.print_problems();
             if r.kills.len() < FAULTS.len() {
                 println!(
                     "  only {} of {} node kills happened before the run drained",

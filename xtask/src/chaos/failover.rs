@@ -24,8 +24,8 @@
 //! process stopped cleanly.
 
 use super::{
-    DURABLE, EXAMPLES, Findings, LETTERS_WITHIN, Problem, Published, STREAM, SUBJECT, applied,
-    audit, create_accounts, lift_outage, observe, publish, stored_letters,
+    DURABLE, Findings, LETTERS_WITHIN, Published, STREAM, SUBJECT, applied, audit, create_accounts,
+    lift_outage, observe, publish, stored_letters,
 };
 use async_nats::jetstream;
 use inbox_testkit::{
@@ -78,8 +78,7 @@ impl Report {
 
     fn print(&self) {
         let f = &self.findings;
-        let (lost, twice) = (f.count(Problem::Lost), f.count(Problem::AppliedTwice));
-        let other: usize = f.problems.values().map(Vec::len).sum::<usize>() - lost - twice;
+        let (lost, twice, other) = f.tally();
         let mut table = comfy_table::Table::new();
         table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
         table.set_header([
@@ -114,21 +113,7 @@ impl Report {
             return;
         }
         println!("\nfailover FAILED:");
-        for (problem, labels) in &f.problems {
-            let shown = labels.iter().take(EXAMPLES).cloned().collect::<Vec<_>>();
-            let more = labels.len().saturating_sub(EXAMPLES);
-            let more = if more > 0 {
-                format!(", and {more} more")
-            } else {
-                String::new()
-            };
-            println!(
-                "  {}: {} — {}{more}",
-                problem.describe(),
-                labels.len(),
-                shown.join(", ")
-            );
-        }
+        f.print_problems();
         if self.failover.at as usize >= self.requests {
             println!("  every request was applied before the failover: nothing was tested");
         }
