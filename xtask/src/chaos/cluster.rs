@@ -8,9 +8,11 @@
 //! **Supervise**: three `credit` processes, given the server list in `NATS_URL`, work while the
 //! servers fail: four times, from a tenth of the requests applied on, a node is SIGKILLed, in
 //! turn the stream's leader and the follower with the most client connections (a server
-//! processes are connected to; the leader when no follower has any); each is restarted once the stream has a leader again, so that the
-//! cluster keeps its quorum for the next, which follows at once. Crashes stop once every
-//! message was handed out, as in the single-server run (see `chaos.rs`).
+//! processes are connected to; the leader when no follower has any); each is restarted once
+//! the stream has a leader again, so that the cluster keeps its quorum for the next, which follows at once, until the consumer drains (the
+//! credits to unopened accounts keep it at work for `9 × ack_wait` after the last request is
+//! handed out, so the kills do not depend on how fast the processes are; a node kill, unlike a
+//! process kill, is safe on a last delivery).
 //!
 //! **Verify** message by message with the single-server run's audit, and that every process
 //! exited 0 when stopped.
@@ -224,18 +226,20 @@ async fn supervise(
         }
         let backlog = backlog(js, STREAM, DURABLE).await.ok();
         let drained = backlog.is_some_and(|b| b.drained());
-        let undelivered = backlog.is_none_or(|b| b.pending > 0);
         if drained && kills.len() == FAULTS.len() {
             break;
         }
         // Drained before every kill: the audit still runs, and the report says which are missing.
-        if drained && !undelivered && applied_now >= n {
+        if drained && applied_now >= n {
             break;
         }
+        // Until the consumer drains: the credits to unopened accounts keep it busy for at least
+        // `9 × ack_wait` after the last request is handed out, however fast the processes are.
+        // A node kill is safe even on a message's last delivery: the process lives on, and a
+        // letter the dying server cannot take is parked in the database and relayed.
         if let Some(&target) = FAULTS.get(kills.len())
             && applied_now >= n / 10
-            && applied_now < n
-            && undelivered
+            && !drained
         {
             kills.push(kill_one(cluster, js, target, applied_now).await?);
         }
