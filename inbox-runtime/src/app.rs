@@ -4,6 +4,7 @@
 use crate::backend::InboxBackend;
 use crate::backoff::Backoff;
 use crate::handler::Handler;
+use crate::outbox::{Relay, RelayError};
 use crate::store::Inbox;
 use crate::worker::{NoState, Stats, WorkerBuilder, WorkerError};
 use async_nats::jetstream::{self, consumer, consumer::pull, stream};
@@ -215,6 +216,12 @@ pub enum AppError {
         /// The error.
         source: async_nats::Error,
     },
+    /// An outbox relay refused a stream it publishes to.
+    #[error("outbox relay: {source}")]
+    Relay {
+        /// Why.
+        source: RelayError,
+    },
     /// A handler's worker refused its consumer.
     #[error("handler {handler}: {source}")]
     Worker {
@@ -284,6 +291,7 @@ pub struct App<DB: InboxBackend> {
     inbox: Inbox<DB>,
     jetstream: jetstream::Context,
     planned: Vec<Planned<DB>>,
+    relays: Vec<Relay<DB>>,
     health: Health,
 }
 
@@ -376,6 +384,7 @@ impl<DB: InboxBackend> App<DB> {
             inbox,
             jetstream: jetstream.clone(),
             planned: Vec::new(),
+            relays: Vec::new(),
             health,
         }
     }
@@ -444,6 +453,16 @@ impl<DB: InboxBackend> App<DB> {
         self
     }
 
+    /// Runs `relay` next to the handlers: it publishes what their handlers write to its outbox,
+    /// woken by their commits. Its streams are checked at start ([`Relay::check`]); it takes one
+    /// connection of the pool (it holds a transaction while it publishes); and on shutdown it
+    /// makes a last pass once the handlers have drained, so that what they committed last is
+    /// published before `run` returns.
+    pub fn relay(mut self, relay: Relay<DB>) -> Self {
+        self.relays.push(relay);
+        self
+    }
+
     /// Starts every handler and runs until SIGINT or SIGTERM (Ctrl-C, `docker stop`, a
     /// Kubernetes pod's termination), then drains: no more pulls, fetched messages nak'd,
     /// messages in flight finished and acked, and those on their last delivery finished or
@@ -476,8 +495,9 @@ impl<DB: InboxBackend> App<DB> {
     /// in a process that handles signals itself.
     pub async fn run_until(self, shutdown: CancellationToken) -> Result<AppStats, AppError> {
         let health = self.health.clone();
-        let runs = match self.start(&shutdown).await {
-            Ok(runs) => runs,
+        let jetstream = self.jetstream.clone();
+        let (runs, relays) = match self.start(&shutdown).await {
+            Ok(started) => started,
             // Stopped while waiting for JetStream: nothing consumed, nothing to report.
             Err(AppError::Cancelled) => return Ok(AppStats::new()),
             Err(e) => return Err(e),
@@ -494,7 +514,30 @@ impl<DB: InboxBackend> App<DB> {
                 (consumer, stats)
             }
         });
-        for (consumer, s) in futures::future::join_all(all).await {
+        // The relays outlive the workers' drain: cancelled once every worker has stopped, they
+        // make a last pass for what the workers committed last.
+        let relays_done = CancellationToken::new();
+        let relaying = relays.into_iter().map(|relay| {
+            let (js, done) = (jetstream.clone(), relays_done.clone());
+            async move {
+                let table = relay.outbox().table().to_string();
+                let stats = relay.run_until(&js, done).await;
+                tracing::info!(
+                    outbox = %table,
+                    published = stats.published,
+                    republished = stats.republished,
+                    "outbox relay stopped"
+                );
+            }
+        });
+        let relaying = futures::future::join_all(relaying);
+        let workers = async {
+            let done = futures::future::join_all(all).await;
+            relays_done.cancel();
+            done
+        };
+        let (done, _) = tokio::join!(workers, relaying);
+        for (consumer, s) in done {
             stats.insert(consumer, s);
         }
         Ok(stats)
@@ -503,10 +546,7 @@ impl<DB: InboxBackend> App<DB> {
     /// Checks the registrations, splits the pool, resolves every consumer and builds every
     /// worker. Waits out NATS timeouts and "no responders" (JetStream electing a leader) with
     /// capped backoff, until `shutdown`.
-    async fn start(
-        self,
-        shutdown: &CancellationToken,
-    ) -> Result<Vec<(&'static str, Run)>, AppError> {
+    async fn start(self, shutdown: &CancellationToken) -> Result<Started<DB>, AppError> {
         if self.planned.is_empty() {
             return Err(AppError::NoHandlers);
         }
@@ -516,7 +556,7 @@ impl<DB: InboxBackend> App<DB> {
             plan.durable.check()?;
         }
         let pool = self.inbox.pool().options().get_max_connections() as usize;
-        let asks: Vec<Ask> = self
+        let mut asks: Vec<Ask> = self
             .planned
             .iter()
             .map(|p| Ask {
@@ -525,6 +565,12 @@ impl<DB: InboxBackend> App<DB> {
                 two_phase: p.two_phase,
             })
             .collect();
+        // A relay holds one connection while it publishes.
+        asks.extend(self.relays.iter().map(|_| Ask {
+            consumer: "outbox relay",
+            asked: Some(1),
+            two_phase: false,
+        }));
         let shares = split_pool(&asks, pool)?;
         let mut runs = Vec::with_capacity(self.planned.len());
         for (plan, concurrency) in self.planned.into_iter().zip(shares) {
@@ -544,7 +590,45 @@ impl<DB: InboxBackend> App<DB> {
             );
             runs.push((plan.consumer, run));
         }
-        Ok(runs)
+        for relay in &self.relays {
+            check_relay(&self.jetstream, relay, shutdown).await?;
+        }
+        Ok((runs, self.relays))
+    }
+}
+
+/// What [`App::start`] hands to the run: each handler's worker, and the relays.
+type Started<DB> = (Vec<(&'static str, Run)>, Vec<Relay<DB>>);
+
+/// Checks `relay`'s streams, waiting out JetStream being unavailable (starting, or electing a
+/// leader) with capped backoff, until `shutdown`.
+async fn check_relay<DB: InboxBackend>(
+    js: &jetstream::Context,
+    relay: &Relay<DB>,
+    shutdown: &CancellationToken,
+) -> Result<(), AppError> {
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    loop {
+        let checked = tokio::select! {
+            checked = relay.check(js) => checked,
+            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
+        };
+        match checked {
+            Ok(()) => return Ok(()),
+            Err(RelayError::Nats {
+                transient: true,
+                what,
+                source,
+            }) => {
+                let wait = backoff.next();
+                tracing::warn!(error = %source, retry_in = ?wait, "{what}; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err(AppError::Cancelled),
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+            Err(source) => return Err(AppError::Relay { source }),
+        }
     }
 }
 
@@ -721,7 +805,7 @@ async fn resolve_once(
 /// Whether JetStream's answer says it cannot serve the request for now: 503 (JetStream
 /// temporarily unavailable, a cluster without a meta or stream leader during an election) or
 /// 408 (a request that timed out inside the cluster).
-fn unavailable(e: &jetstream::Error) -> bool {
+pub(crate) fn unavailable(e: &jetstream::Error) -> bool {
     matches!(e.code(), 503 | 408)
 }
 

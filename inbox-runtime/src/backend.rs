@@ -417,6 +417,18 @@ pub(crate) mod sealed {
             let _ = (conn, table, consumer, older_than_secs, batch);
             std::future::ready(Ok(0))
         }
+
+        /// The outbox (`outbox.rs`): the migrations that create `table` and its indexes.
+        fn outbox_migration_sql(table: &TableName) -> Vec<String>;
+
+        /// The outbox: what a relay's SELECT of pending rows ends with, to lock them for its
+        /// transaction and pass over those another relay holds. Empty where the transaction holds
+        /// the database's write lock (SQLite, whose relays take turns by a lease instead).
+        const SKIP_LOCKED: &'static str = " FOR UPDATE SKIP LOCKED";
+
+        /// The outbox: deletes at most `?2` rows of `table` sent more than `?1` seconds (a float)
+        /// ago, oldest first.
+        fn outbox_cleanup_sql(table: &TableName) -> SqlStr;
     }
 
     /// The statements every dialect runs alike, written once over the bounds sqlx's generic
@@ -514,6 +526,49 @@ pub(crate) mod sealed {
             sql: SqlStr,
         ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
+        /// The outbox: runs `sql` binding (msg id, subject, order key, headers, payload).
+        fn outbox_insert<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            row: (&'a str, &'a str, &'a str, &'a str, &'a [u8]),
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+        /// The outbox: runs `sql` binding `n` and returns its rows.
+        fn outbox_rows<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            n: i64,
+        ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send + 'a;
+
+        /// The outbox: runs `sql` binding `n` and returns its (text, integer) rows.
+        fn keyed_ints<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            n: i64,
+        ) -> impl Future<Output = Result<Vec<(String, i64)>, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql`, without binds, on `pool` and returns the two integers of its row.
+        fn two_ints<'a>(
+            pool: &'a Pool<Self>,
+            sql: SqlStr,
+        ) -> impl Future<Output = Result<(i64, i64), sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` binding (`text`, `secs`) on `conn`.
+        fn execute_text_secs<'a>(
+            conn: &'a mut Self::Connection,
+            sql: SqlStr,
+            text: &'a str,
+            secs: f64,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+        /// Runs `sql` binding (`secs`, `n`) on `pool`.
+        fn execute_secs_n<'a>(
+            pool: &'a Pool<Self>,
+            sql: SqlStr,
+            secs: f64,
+            n: i64,
+        ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
         /// Runs `migrator` on `pool`.
         fn run_migrator<'a>(
             pool: &'a Pool<Self>,
@@ -534,6 +589,9 @@ pub(crate) mod sealed {
         for<'r> (i64, String, Vec<u8>): sqlx::FromRow<'r, DB::Row>,
         for<'r> (i64, i64, i64, i64, i64): sqlx::FromRow<'r, DB::Row>,
         for<'r> (String, i64, i64, i64, i64): sqlx::FromRow<'r, DB::Row>,
+        for<'r> OutboxRow: sqlx::FromRow<'r, DB::Row>,
+        for<'r> (String, i64): sqlx::FromRow<'r, DB::Row>,
+        for<'r> (i64, i64): sqlx::FromRow<'r, DB::Row>,
         usize: sqlx::ColumnIndex<DB::Row>,
     {
         async fn fetch_claim_state<'a>(
@@ -662,6 +720,74 @@ pub(crate) mod sealed {
             sqlx::raw_sql(sql).execute(conn).await
         }
 
+        async fn outbox_insert<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            (msg_id, subject, order_key, headers, payload): (
+                &'a str,
+                &'a str,
+                &'a str,
+                &'a str,
+                &'a [u8],
+            ),
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            let query = sqlx::query::<DB>(sql).bind(msg_id).bind(subject);
+            let query = query.bind(order_key).bind(headers).bind(payload);
+            query.execute(conn).await
+        }
+
+        async fn outbox_rows(
+            conn: &mut DB::Connection,
+            sql: SqlStr,
+            n: i64,
+        ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+            sqlx::query_as::<DB, OutboxRow>(sql)
+                .bind(n)
+                .fetch_all(conn)
+                .await
+        }
+
+        async fn keyed_ints(
+            conn: &mut DB::Connection,
+            sql: SqlStr,
+            n: i64,
+        ) -> Result<Vec<(String, i64)>, sqlx::Error> {
+            sqlx::query_as::<DB, (String, i64)>(sql)
+                .bind(n)
+                .fetch_all(conn)
+                .await
+        }
+
+        async fn two_ints(pool: &Pool<DB>, sql: SqlStr) -> Result<(i64, i64), sqlx::Error> {
+            sqlx::query_as::<DB, (i64, i64)>(sql).fetch_one(pool).await
+        }
+
+        async fn execute_text_secs<'a>(
+            conn: &'a mut DB::Connection,
+            sql: SqlStr,
+            text: &'a str,
+            secs: f64,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::query::<DB>(sql)
+                .bind(text)
+                .bind(secs)
+                .execute(conn)
+                .await
+        }
+
+        async fn execute_secs_n(
+            pool: &Pool<DB>,
+            sql: SqlStr,
+            secs: f64,
+            n: i64,
+        ) -> Result<DB::QueryResult, sqlx::Error> {
+            sqlx::query::<DB>(sql)
+                .bind(secs)
+                .bind(n)
+                .execute(pool)
+                .await
+        }
+
         async fn execute(pool: &Pool<DB>, sql: SqlStr) -> Result<DB::QueryResult, sqlx::Error> {
             sqlx::query::<DB>(sql).execute(pool).await
         }
@@ -677,6 +803,9 @@ pub(crate) mod sealed {
 
 /// A claim's state row: (id, done 0/1, ms until `lease_until` or -1, fence, attempts).
 pub(crate) type ClaimRow = (i64, i64, i64, i64, i64);
+
+/// A pending outbox row: (id, msg id, subject, order key, headers as JSON, payload).
+pub(crate) type OutboxRow = (i64, String, String, String, String, Vec<u8>);
 
 /// An open claim's row: (key, fence, attempts, age ms, ms until `lease_until` or -1).
 pub(crate) type OpenClaimRow = (String, i64, i64, i64, i64);
@@ -715,6 +844,26 @@ pub(crate) fn migrator<DB: InboxBackend>(table: &TableName, layout: &Layout) -> 
             Migration::new(
                 i as i64 + 1,
                 format!("inbox table {table}, step {}", i + 1).into(),
+                MigrationType::Simple,
+                AssertSqlSafe(sql).into_sql_str(),
+                false,
+            )
+        })
+        .collect();
+    let mut migrator = Migrator::with_migrations(migrations);
+    migrator.dangerous_set_table_name(migrations_table(table));
+    migrator
+}
+
+/// The migrator of outbox `table`, tracked in `_<table>_migrations` like an inbox's.
+pub(crate) fn outbox_migrator<DB: InboxBackend>(table: &TableName) -> Migrator {
+    let migrations = DB::outbox_migration_sql(table)
+        .into_iter()
+        .enumerate()
+        .map(|(i, sql)| {
+            Migration::new(
+                i as i64 + 1,
+                format!("outbox table {table}, step {}", i + 1).into(),
                 MigrationType::Simple,
                 AssertSqlSafe(sql).into_sql_str(),
                 false,

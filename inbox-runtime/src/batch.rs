@@ -65,15 +65,19 @@ impl<DB: InboxBackend> Inbox<DB> {
         if deliveries.len() != keys.len() {
             return vec![Batched::Alone; keys.len()];
         }
-        let lean = self.batch_lean(handler, state, keys, deliveries, decoded);
-        let culprit = match lean.await {
-            Ok(done) => return done,
-            Err(Failed::Whole) => return vec![Batched::Alone; keys.len()],
-            Err(Failed::OneMessage(culprit)) => culprit,
-        };
-        self.batch_with_savepoints(handler, state, keys, deliveries, culprit, &message)
-            .await
-            .unwrap_or_else(|_| vec![Batched::Alone; keys.len()])
+        // The relay of every outbox the handlers wrote to is woken once the batch commits.
+        crate::outbox::waking(async {
+            let lean = self.batch_lean(handler, state, keys, deliveries, decoded);
+            let culprit = match lean.await {
+                Ok(done) => return done,
+                Err(Failed::Whole) => return vec![Batched::Alone; keys.len()],
+                Err(Failed::OneMessage(culprit)) => culprit,
+            };
+            self.batch_with_savepoints(handler, state, keys, deliveries, culprit, &message)
+                .await
+                .unwrap_or_else(|_| vec![Batched::Alone; keys.len()])
+        })
+        .await
     }
 
     /// The lean try: no savepoints, one UPDATE of `processed_at` for the batch.

@@ -234,9 +234,27 @@ async fn consumer_lag(
 /// to the pool while still holding it (a cleanup cancelled half-way, an unlock that failed)
 /// would keep every instance from cleaning up for as long as it lives. So a connection that may
 /// still hold the lock is closed when dropped, which makes the server release it.
-struct LockHolder<DB: InboxBackend> {
+pub(crate) struct LockHolder<DB: InboxBackend> {
     conn: sqlx::pool::PoolConnection<DB>,
     locked: bool,
+}
+
+impl<DB: InboxBackend> LockHolder<DB> {
+    /// `conn`, counted as holding the lock from before it is asked for: cancelled while the
+    /// server grants it, the connection must not go back to the pool holding it.
+    pub(crate) fn new(conn: sqlx::pool::PoolConnection<DB>) -> Self {
+        LockHolder { conn, locked: true }
+    }
+
+    /// The connection, to take and release the lock on.
+    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
+        &mut self.conn
+    }
+
+    /// The lock is not held (refused, or released): the connection may go back to the pool.
+    pub(crate) fn unlocked(&mut self) {
+        self.locked = false;
+    }
 }
 
 impl<DB: InboxBackend> Drop for LockHolder<DB> {

@@ -17,6 +17,7 @@ mod delivery;
 mod handler;
 mod key;
 pub mod metrics;
+mod outbox;
 mod partition;
 mod store;
 mod worker;
@@ -39,6 +40,10 @@ pub use delivery::MsgPack;
 pub use delivery::{Codec, Delivery, Json, Raw, TraceParent};
 pub use handler::{BoxError, Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
+pub use outbox::{
+    DEFAULT_RETENTION as DEFAULT_OUTBOX_RETENTION, InvalidMessage, Outbox, OutboxMessage, Relay,
+    RelayError, RelayStats,
+};
 pub use partition::Partitions;
 
 /// The `sqlx` this crate is built with: name its types (`inbox_runtime::sqlx::PgPool`) without

@@ -15,6 +15,15 @@
 //! | `inbox_cleanup_last_success_timestamp_seconds` | gauge | Unix time of the last cleanup pass that ran (lag: now minus this) |
 //! | `inbox_open_claims` | gauge | two-phase: claims open past the sweeper's threshold |
 //! | `inbox_oldest_open_claim_seconds` | gauge | two-phase: age of the oldest of them (0 when none) |
+//!
+//! A [`Relay`](crate::Relay)'s series have the label `outbox` (the outbox's table) instead:
+//!
+//! | name | kind | what |
+//! |---|---|---|
+//! | `inbox_outbox_pending` | gauge | rows committed and not yet marked sent, read at every poll |
+//! | `inbox_outbox_oldest_pending_seconds` | gauge | age of the oldest of them (0 when none) |
+//! | `inbox_outbox_published_total` | counter | rows JetStream stored as a new message |
+//! | `inbox_outbox_republished_total` | counter | rows published again whose PubAck said the stream had them already (a relay died, or its mark failed, after publishing them) |
 
 use metrics::{Counter, Gauge, Histogram};
 use std::time::Duration;
@@ -37,6 +46,15 @@ pub const CLEANUP_LAST_SUCCESS: &str = "inbox_cleanup_last_success_timestamp_sec
 pub const OPEN_CLAIMS: &str = "inbox_open_claims";
 /// `inbox_oldest_open_claim_seconds`.
 pub const OLDEST_OPEN_CLAIM: &str = "inbox_oldest_open_claim_seconds";
+
+/// `inbox_outbox_pending`.
+pub const OUTBOX_PENDING: &str = "inbox_outbox_pending";
+/// `inbox_outbox_oldest_pending_seconds`.
+pub const OUTBOX_OLDEST_PENDING: &str = "inbox_outbox_oldest_pending_seconds";
+/// `inbox_outbox_published_total`.
+pub const OUTBOX_PUBLISHED: &str = "inbox_outbox_published_total";
+/// `inbox_outbox_republished_total`.
+pub const OUTBOX_REPUBLISHED: &str = "inbox_outbox_republished_total";
 
 /// Registers the descriptions of every series, so that exporters show them (`# HELP`). Called
 /// when a worker starts; harmless when no recorder is installed.
@@ -155,4 +173,37 @@ pub(crate) fn cleaned(consumer: &'static str, deleted: u64) {
 pub(crate) fn open_claims(consumer: &'static str, open: usize, oldest: Duration) {
     metrics::gauge!(OPEN_CLAIMS, "consumer" => consumer).set(open as f64);
     metrics::gauge!(OLDEST_OPEN_CLAIM, "consumer" => consumer).set(oldest.as_secs_f64());
+}
+
+/// Registers the descriptions of a relay's series.
+pub(crate) fn describe_outbox() {
+    use metrics::{Unit, describe_counter, describe_gauge};
+    describe_gauge!(
+        OUTBOX_PENDING,
+        "Outbox rows committed and not yet marked sent."
+    );
+    describe_gauge!(
+        OUTBOX_OLDEST_PENDING,
+        Unit::Seconds,
+        "Age of the oldest outbox row not yet marked sent."
+    );
+    describe_counter!(OUTBOX_PUBLISHED, "Outbox rows stored as a new message.");
+    describe_counter!(
+        OUTBOX_REPUBLISHED,
+        "Outbox rows published again that the stream had already."
+    );
+}
+
+/// What a relay's poll found pending in `outbox`.
+pub(crate) fn outbox_pending(outbox: &str, rows: u64, oldest: Duration) {
+    let outbox = outbox.to_owned();
+    metrics::gauge!(OUTBOX_PENDING, "outbox" => outbox.clone()).set(rows as f64);
+    metrics::gauge!(OUTBOX_OLDEST_PENDING, "outbox" => outbox).set(oldest.as_secs_f64());
+}
+
+/// Rows of `outbox` a pass published: `new` stored as new messages, `again` already stored.
+pub(crate) fn outbox_published(outbox: &str, new: u64, again: u64) {
+    let outbox = outbox.to_owned();
+    metrics::counter!(OUTBOX_PUBLISHED, "outbox" => outbox.clone()).increment(new);
+    metrics::counter!(OUTBOX_REPUBLISHED, "outbox" => outbox).increment(again);
 }

@@ -286,6 +286,18 @@ impl<DB: InboxBackend> Inbox<DB> {
         delivery: &Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
+        // The relay of every outbox the handler wrote to is woken once this ends.
+        crate::outbox::waking(self.process_keyed_now(handler, state, message, delivery, key)).await
+    }
+
+    async fn process_keyed_now<H: Handler<Db = DB>>(
+        &self,
+        handler: &H,
+        state: &H::State,
+        message: H::Message,
+        delivery: &Delivery,
+        key: &str,
+    ) -> Result<Outcome, ProcessError> {
         if H::TWO_PHASE {
             return self
                 .process_claimed(handler, state, message, delivery, key)

@@ -139,6 +139,14 @@ impl Probe {
     }
 }
 
+/// The state of the `announce` handler: the outbox it publishes to, and the subject.
+pub struct Announcer<DB: inbox_runtime::InboxBackend> {
+    /// The outbox.
+    pub outbox: inbox_runtime::Outbox<DB>,
+    /// The subject of the announcements.
+    pub subject: String,
+}
+
 /// A fake remote side (an e-mail API, a payment provider) that a two-phase handler calls: it
 /// records every call with the idempotency key, fence and attempt it carried, can hold calls at a
 /// gate, and can answer with an error status. Clones share it.
@@ -315,6 +323,21 @@ macro_rules! backend_handlers {
             api.call(claim).await?;
             append(&msg, claim.tx().await?).await?;
             Ok(())
+        }
+
+        /// Appends a ledger row, announces it through the outbox of [`Announcer`] (the entry
+        /// as JSON), and only then credits the account: an overdraw fails (a CHECK violation,
+        /// permanent) after the publish.
+        #[idempotent(consumer = "announce", key = msg.key)]
+        pub async fn announce(
+            msg: Entry,
+            tx: &mut Tx<$db>,
+            to: &$crate::handlers::Announcer<$db>,
+        ) -> Result<(), sqlx::Error> {
+            append(&msg, tx).await?;
+            to.outbox.publish(tx, &to.subject, &msg).await?;
+            let upsert = sqlx::query($credit).bind(msg.account).bind(msg.amount);
+            upsert.execute(&mut **tx).await.map(drop)
         }
 
         /// Records a payment whose reference (`msg.account`) is UNIQUE in the business table.

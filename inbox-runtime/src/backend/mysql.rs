@@ -97,6 +97,31 @@ impl Backend for MySql {
         vec![create, exact_keys, dead_letters]
     }
 
+    fn outbox_migration_sql(table: &TableName) -> Vec<String> {
+        vec![format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+                msg_id VARCHAR(255) NOT NULL,
+                subject TEXT NOT NULL,
+                order_key TEXT NOT NULL,
+                headers MEDIUMTEXT NOT NULL,
+                payload LONGBLOB NOT NULL,
+                created_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6),
+                sent_at TIMESTAMP(6) NULL,
+                KEY {table}_pending_idx (sent_at, id)
+            ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
+        )]
+    }
+
+    fn outbox_cleanup_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE sent_at IS NOT NULL \
+             AND sent_at < CURRENT_TIMESTAMP(6) - INTERVAL CAST(? * 1000000 AS SIGNED) MICROSECOND \
+             ORDER BY sent_at LIMIT ?"
+        ))
+        .into_sql_str()
+    }
+
     fn param(_: usize) -> String {
         "?".to_owned()
     }

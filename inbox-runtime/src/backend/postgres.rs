@@ -81,6 +81,31 @@ impl Backend for Postgres {
         ]
     }
 
+    fn outbox_migration_sql(table: &TableName) -> Vec<String> {
+        vec![format!(
+            "CREATE TABLE IF NOT EXISTS {table} (
+                id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+                msg_id VARCHAR(255) NOT NULL,
+                subject TEXT NOT NULL,
+                order_key TEXT NOT NULL,
+                headers TEXT NOT NULL,
+                payload BYTEA NOT NULL,
+                created_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+                sent_at TIMESTAMPTZ NULL
+            );
+            CREATE INDEX IF NOT EXISTS {table}_pending_idx ON {table} (id) WHERE sent_at IS NULL;
+            CREATE INDEX IF NOT EXISTS {table}_sent_idx ON {table} (sent_at) WHERE sent_at IS NOT NULL;"
+        )]
+    }
+
+    fn outbox_cleanup_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \
+             WHERE sent_at < now() - make_interval(secs => $1) ORDER BY sent_at LIMIT $2)"
+        ))
+        .into_sql_str()
+    }
+
     fn param(n: usize) -> String {
         format!("${n}")
     }

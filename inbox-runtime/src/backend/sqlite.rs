@@ -118,6 +118,49 @@ impl Backend for Sqlite {
         format!("?{n}")
     }
 
+    // BEGIN IMMEDIATE holds the write lock; relays take turns by the lease in `<table>_relay`.
+    const SKIP_LOCKED: &'static str = "";
+
+    fn outbox_migration_sql(table: &TableName) -> Vec<String> {
+        vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
+                    id INTEGER PRIMARY KEY AUTOINCREMENT,
+                    msg_id TEXT NOT NULL,
+                    subject TEXT NOT NULL,
+                    order_key TEXT NOT NULL,
+                    headers TEXT NOT NULL,
+                    payload BLOB NOT NULL,
+                    created_at TEXT NOT NULL DEFAULT ({NOW}),
+                    sent_at TEXT NULL
+                )"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {table}_pending_idx ON {table} (id) WHERE sent_at IS NULL"
+            ),
+            format!(
+                "CREATE INDEX IF NOT EXISTS {table}_sent_idx ON {table} (sent_at) WHERE sent_at IS NOT NULL"
+            ),
+            // The relays' lease: one row, the owner and until when it holds it.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table}_relay (
+                    id INTEGER PRIMARY KEY CHECK (id = 1),
+                    owner TEXT NOT NULL,
+                    lease_until TEXT NOT NULL
+                )"
+            ),
+        ]
+    }
+
+    fn outbox_cleanup_sql(table: &TableName) -> SqlStr {
+        AssertSqlSafe(format!(
+            "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \
+             WHERE sent_at < strftime('%Y-%m-%dT%H:%M:%fZ', 'now', '-' || ?1 || ' seconds') \
+             ORDER BY sent_at LIMIT ?2)"
+        ))
+        .into_sql_str()
+    }
+
     fn begin_sql(_lock_timeout: Duration) -> SqlStr {
         // The only lock is the database's write lock, and a connection waits for it as long as
         // its busy timeout (`sqlite_options`: 30 s), then fails with SQLITE_BUSY.

@@ -45,6 +45,9 @@ pub trait TestBackend: Send + Sync + 'static {
     type Credit: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `payment`.
     type Payment: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
+    /// `announce`: publishes through an outbox.
+    type Announce: Handler<Db = Self::Db, Message = Entry, State = crate::handlers::Announcer<Self::Db>>
+        + Default;
     /// `remote`: two-phase.
     type Remote: Handler<Db = Self::Db, Message = Entry, State = crate::handlers::Remote> + Default;
 

@@ -26,6 +26,7 @@ impl TestBackend for MySql {
     type Credit = handlers::credit;
     type Payment = handlers::payment;
     type Remote = handlers::remote;
+    type Announce = handlers::announce;
     const BACKEND: Backend = Backend::MySql;
     const TABLES: [&'static str; 3] = [
         "CREATE TABLE ledger (id BIGINT AUTO_INCREMENT PRIMARY KEY, msg_key VARCHAR(255) NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",

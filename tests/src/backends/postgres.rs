@@ -38,6 +38,7 @@ macro_rules! postgres_backend {
     type Credit = handlers::credit;
     type Payment = handlers::payment;
     type Remote = handlers::remote;
+    type Announce = handlers::announce;
     const BACKEND: Backend = Backend::Postgres;
     const TABLES: [&'static str; 3] = [
         "CREATE TABLE ledger (id BIGSERIAL PRIMARY KEY, msg_key TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",

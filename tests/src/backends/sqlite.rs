@@ -26,6 +26,7 @@ impl TestBackend for Sqlite {
     type Credit = handlers::credit;
     type Payment = handlers::payment;
     type Remote = handlers::remote;
+    type Announce = handlers::announce;
     const BACKEND: Backend = Backend::Sqlite;
     const SINGLE_WRITER: bool = true;
     const TABLES: [&'static str; 3] = [

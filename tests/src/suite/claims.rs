@@ -29,8 +29,10 @@ async fn racing_twins_make_one_call<B: TestBackend>() {
     nats.consumer("c", Duration::from_secs(30)).await;
     let remote = Remote::default();
     remote.hold();
-    // Short, so that without renewals the twin's second visit would find it run out.
-    let lease = Duration::from_millis(900);
+    // The twin's second visit comes after this lease would have run out without renewals. Not
+    // shorter: renewals run every quarter of it, and on a loaded machine (CI runs three test
+    // passes side by side) a renewal late by more than half a lease makes the owner give up.
+    let lease = Duration::from_secs(3);
     let mut workers = Vec::new();
     for _ in 0..2 {
         let inbox = B::inbox(B::connect(&db.url, 4).await).lease(lease);

@@ -1,0 +1,470 @@
+//! The transactional outbox, end to end on a real database and JetStream:
+//! - a handler that publishes and then fails publishes nothing, and leaves no row;
+//! - a worker's commit wakes the relay (no poll for an hour, and the event still comes);
+//! - a row committed where nothing wakes the relay (its writer died after COMMIT) goes at the
+//!   next poll;
+//! - a relay stopped after its PubAcks and before marking the rows sent (as SIGKILL would stop
+//!   it: its transaction never commits) leaves them pending; the next relay publishes them again,
+//!   every PubAck says "duplicate", and the stream holds one copy of each;
+//! - two relays on one database, one holding its batch while the other runs: every row is
+//!   published once (no PubAck ever says "duplicate"), and each order key's rows are stored in
+//!   their order;
+//! - the relay refuses a stream whose duplicate window is not shorter than its retention, and
+//!   (on servers that have it) one with `persist_mode: async`.
+
+use super::setup;
+use crate::backends::TestBackend;
+use crate::handlers::{Announcer, Entry};
+use crate::{NatsStream, Running};
+use async_nats::jetstream::{self, stream};
+use futures::FutureExt;
+use inbox_runtime::{Outbox, OutboxMessage, Relay, RelayError};
+use inbox_testkit::{off_runtime, unique, wait_until};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const DEADLINE: Duration = Duration::from_secs(60);
+
+/// A stream of this test's own for the announcements, deleted with the guard.
+struct Events {
+    js: jetstream::Context,
+    name: String,
+    subject: String,
+}
+
+impl Events {
+    async fn create(js: &jetstream::Context) -> Events {
+        Events::create_with(js, |c| c).await
+    }
+
+    async fn create_with(
+        js: &jetstream::Context,
+        configure: impl FnOnce(stream::Config) -> stream::Config,
+    ) -> Events {
+        let name = unique("EV_");
+        let subject = format!("ev.{}", name.to_lowercase());
+        let config = configure(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        });
+        js.create_stream(config)
+            .await
+            .unwrap_or_else(|e| panic!("JetStream cannot create the events stream: {e}"));
+        Events {
+            js: js.clone(),
+            name,
+            subject,
+        }
+    }
+
+    /// Every message stored: (Nats-Msg-Id, payload), in stream order.
+    async fn messages(&self) -> Vec<(String, Vec<u8>)> {
+        let stream = self.js.get_stream(&self.name).await.expect("events stream");
+        let last = stream.cached_info().state.last_sequence;
+        let mut out = Vec::new();
+        for seq in 1..=last {
+            if let Ok(m) = stream.get_raw_message(seq).await {
+                let id = m
+                    .headers
+                    .get("Nats-Msg-Id")
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default();
+                out.push((id, m.payload.to_vec()));
+            }
+        }
+        out
+    }
+
+    async fn count(&self) -> u64 {
+        let mut stream = self.js.get_stream(&self.name).await.expect("events stream");
+        stream.info().await.expect("events info").state.messages
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        let (js, name) = (self.js.clone(), self.name.clone());
+        off_runtime(async move {
+            let _ = js.delete_stream(&name).await;
+        });
+    }
+}
+
+/// A fresh outbox on `db`'s pool, migrated.
+async fn outbox<DB: inbox_runtime::InboxBackend>(pool: sqlx::Pool<DB>) -> Outbox<DB> {
+    let outbox = Outbox::new(pool);
+    outbox.migrate().await.expect("migrate the outbox");
+    outbox
+}
+
+/// Runs `relay` on a task of its own until the token.
+fn run<DB: inbox_runtime::InboxBackend>(
+    relay: Relay<DB>,
+    js: &jetstream::Context,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<inbox_runtime::RelayStats>,
+) {
+    let (token, js) = (CancellationToken::new(), js.clone());
+    let stop = token.clone();
+    (
+        token,
+        tokio::spawn(async move { relay.run_until(&js, stop).await }),
+    )
+}
+
+/// Commits `messages` to the outbox in one transaction of the test's own (no worker: nothing
+/// wakes a relay).
+async fn commit<DB: inbox_runtime::InboxBackend>(
+    outbox: &Outbox<DB>,
+    messages: impl IntoIterator<Item = OutboxMessage>,
+) -> Vec<String> {
+    let mut tx = outbox.pool().begin().await.expect("begin");
+    let mut ids = Vec::new();
+    for m in messages {
+        ids.push(outbox.enqueue(&mut tx, m).await.expect("enqueue"));
+    }
+    tx.commit().await.expect("commit");
+    ids
+}
+
+/// The test.
+async fn handler_that_fails_after_publishing_publishes_nothing<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let announcer = Announcer {
+        outbox: outbox.clone(),
+        subject: events.subject.clone(),
+    };
+    let worker = nats
+        .worker(inbox, consumer)
+        .build_with_state(B::Announce::default(), announcer)
+        .unwrap();
+    let (relay, relaying) = run(Relay::new(outbox.clone()), &nats.js);
+    let running = Running::start(&worker);
+    // An overdraw: the handler fails permanently after its publish, and the message is
+    // dead-lettered (alone, or after its batch is tried again without it).
+    nats.publish_all([Entry::new("bad", 1, -5).json()]).await;
+    wait_until("the failure to be dead-lettered", DEADLINE, || async {
+        worker.stats().terminated == 1
+    })
+    .await
+    .unwrap();
+    assert_eq!(B::count(&db, "SELECT count(*) FROM outbox").await, 0);
+    // A good message after it goes through the same path: the relay works, and the failed one
+    // never comes.
+    let good = Entry::new("good", 2, 7);
+    nats.publish_all([good.json()]).await;
+    wait_until("the good message's event", DEADLINE, || async {
+        events.count().await == 1
+    })
+    .await
+    .unwrap();
+    nats.wait_drained("c").await;
+    running.stop().await;
+    relay.cancel();
+    let stats = relaying.await.unwrap();
+    assert_eq!((stats.published, stats.republished), (1, 0), "{stats:?}");
+    let stored = events.messages().await;
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    let event: Entry = serde_json::from_slice(&stored[0].1).unwrap();
+    assert_eq!(event, good);
+    let rows = "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL";
+    assert_eq!(B::count(&db, rows).await, 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM outbox").await, 1);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
+}
+
+/// The test.
+async fn commit_wakes_the_relay<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let announcer = Announcer {
+        outbox: outbox.clone(),
+        subject: events.subject.clone(),
+    };
+    let worker = nats
+        .worker(inbox, consumer)
+        .build_with_state(B::Announce::default(), announcer)
+        .unwrap();
+    // Its first poll is at start, and sends the row committed before; the next poll would be in
+    // an hour.
+    commit(
+        &outbox,
+        [OutboxMessage::new(&*events.subject, b"before".to_vec())],
+    )
+    .await;
+    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_secs(3600));
+    let marked = relay.stats_handle();
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("the relay's first poll", DEADLINE, || async {
+        marked().marked == 1
+    })
+    .await
+    .unwrap();
+    let running = Running::start(&worker);
+    let entries: Vec<Entry> = (0..5).map(|i| Entry::new(format!("k{i}"), i, 1)).collect();
+    nats.publish_all(entries.iter().map(Entry::json)).await;
+    wait_until("every event, without a poll", DEADLINE, || async {
+        events.count().await == 6
+    })
+    .await
+    .unwrap();
+    running.stop().await;
+    stop.cancel();
+    let stats = relaying.await.unwrap();
+    assert_eq!((stats.published, stats.republished), (6, 0), "{stats:?}");
+    let pending = "SELECT count(*) FROM outbox WHERE sent_at IS NULL";
+    assert_eq!(B::count(&db, pending).await, 0);
+}
+
+/// The test.
+async fn poll_sends_a_row_nobody_woke_the_relay_for<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(200));
+    let (stop, relaying) = run(relay, &nats.js);
+    // Committed as by a process that died right after COMMIT: no wake-up ever comes.
+    let ids = commit(
+        &outbox,
+        [OutboxMessage::new(&*events.subject, b"late".to_vec())],
+    )
+    .await;
+    wait_until("the poll to send the row", DEADLINE, || async {
+        events.count().await == 1
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.unwrap();
+    assert_eq!((stats.published, stats.republished), (1, 0), "{stats:?}");
+    let stored = events.messages().await;
+    assert_eq!(stored, [(ids[0].clone(), b"late".to_vec())]);
+    let (pending, _) = outbox.pending().await.unwrap();
+    assert_eq!(pending, 0);
+}
+
+/// The test.
+async fn relay_stopped_before_marking_sent_is_republished_once<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let messages = (0..3).map(|i| OutboxMessage::new(&*events.subject, format!("m{i}")));
+    let ids = commit(&outbox, messages).await;
+    // The first relay stops for good between its PubAcks and its mark.
+    let acked = Arc::new(tokio::sync::Notify::new());
+    let on_ack = Arc::clone(&acked);
+    let first = Relay::new(outbox.clone())
+        .lease(Duration::from_secs(2))
+        .before_mark(Arc::new(move || {
+            on_ack.notify_one();
+            std::future::pending::<()>().boxed()
+        }));
+    let (_, relaying) = run(first, &nats.js);
+    tokio::time::timeout(DEADLINE, acked.notified())
+        .await
+        .expect("the first relay to get its PubAcks");
+    assert_eq!(events.count().await, 3);
+    // Killed: its transaction goes with it, never committed.
+    relaying.abort();
+    let _ = relaying.await;
+    let (pending, _) = outbox.pending().await.unwrap();
+    assert_eq!(pending, 3, "nothing was marked sent");
+
+    let second = Relay::new(outbox.clone()).lease(Duration::from_secs(2));
+    let handle = second.stats_handle();
+    let (stop, relaying) = run(second, &nats.js);
+    wait_until("the second relay to mark every row", DEADLINE, || async {
+        handle().marked == 3
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.unwrap();
+    assert_eq!((stats.published, stats.republished), (0, 3), "{stats:?}");
+    let stored: Vec<String> = events
+        .messages()
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(stored, ids, "one copy of each, in order");
+    assert_eq!(outbox.pending().await.unwrap().0, 0);
+    let _ = db;
+}
+
+/// The test.
+async fn two_relays_publish_each_row_once_in_key_order<B: TestBackend>() {
+    let (db, _) = setup::<B>(8).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    // Key "a" fills the first relay's batch; keys b..e come after it, and a few more of "a" at
+    // the end, which the second relay must leave until the first has sent the older ones.
+    let keyed = |key: &str, n: usize| {
+        OutboxMessage::new(&*events.subject, format!("{key}:{n}")).order_key(key)
+    };
+    let mut messages: Vec<OutboxMessage> = (0..50).map(|n| keyed("a", n)).collect();
+    for n in 0..100 {
+        messages.push(keyed(["b", "c", "d", "e"][n % 4], n / 4));
+    }
+    messages.extend((50..60).map(|n| keyed("a", n)));
+    let total = messages.len() as u64;
+    commit(&outbox, messages).await;
+
+    let (held, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let (on_hold, on_release) = (Arc::clone(&held), Arc::clone(&release));
+    let first_pass = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let first = Relay::new(outbox.clone())
+        .batch(50)
+        .before_mark(Arc::new(move || {
+            let (held, release) = (Arc::clone(&on_hold), Arc::clone(&on_release));
+            let first = first_pass.swap(false, std::sync::atomic::Ordering::SeqCst);
+            async move {
+                if first {
+                    held.notify_one();
+                    release.notified().await;
+                }
+            }
+            .boxed()
+        }));
+    let first_stats = first.stats_handle();
+    let (stop_first, first_run) = run(first, &nats.js);
+    tokio::time::timeout(DEADLINE, held.notified())
+        .await
+        .expect("the first relay to hold its batch");
+    // While the first holds its batch (row locks, or SQLite's lease), the second drains what it
+    // may take.
+    let second = Relay::new(outbox.clone()).batch(50);
+    let during = second.drain(&nats.js).await.unwrap();
+    assert_eq!(during.republished, 0, "{during:?}");
+    if B::SINGLE_WRITER {
+        assert_eq!(
+            during.published, 0,
+            "one relay at a time on SQLite: {during:?}"
+        );
+    } else {
+        assert_eq!(during.published, 100, "keys b..e, not a's: {during:?}");
+    }
+    release.notify_one();
+    wait_until("the first relay to send the rest", DEADLINE, || async {
+        outbox.pending().await.unwrap().0 == 0
+    })
+    .await
+    .unwrap();
+    assert_eq!(first_stats().marked, total - during.marked);
+    let after = second.drain(&nats.js).await.unwrap();
+    stop_first.cancel();
+    let first_done = first_run.await.unwrap();
+    assert_eq!(first_done.republished + after.republished, 0);
+    assert_eq!(
+        first_done.published + during.published + after.published,
+        total,
+        "{first_done:?} {during:?} {after:?}"
+    );
+    assert_eq!(outbox.pending().await.unwrap().0, 0);
+    let stored = events.messages().await;
+    assert_eq!(stored.len() as u64, total);
+    // Per key, in order.
+    let mut last: std::collections::HashMap<String, i64> = Default::default();
+    for (_, payload) in stored {
+        let text = String::from_utf8(payload).unwrap();
+        let (key, n) = text.split_once(':').unwrap();
+        let n: i64 = n.parse().unwrap();
+        let previous = last.insert(key.to_owned(), n).unwrap_or(-1);
+        assert_eq!(n, previous + 1, "key {key}: {n} after {previous}");
+    }
+}
+
+/// The test.
+async fn relay_refuses_streams_it_cannot_relay_to_safely<B: TestBackend>() {
+    let (db, _) = setup::<B>(2).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let relay = Relay::new(outbox.clone())
+        .stream(&events.name)
+        .retention(Duration::from_secs(60));
+    let err = relay.check(&nats.js).await.unwrap_err();
+    assert!(
+        matches!(&err, RelayError::Retention { window, .. } if *window == Duration::from_secs(120)),
+        "{err}"
+    );
+    assert!(err.to_string().contains("duplicate window"), "{err}");
+    let ok = Relay::new(outbox.clone()).stream(&events.name);
+    ok.check(&nats.js).await.unwrap();
+    let missing = Relay::new(outbox.clone()).stream(unique("NONE_"));
+    assert!(matches!(
+        missing.check(&nats.js).await,
+        Err(RelayError::Nats {
+            transient: false,
+            ..
+        })
+    ));
+    // persist_mode async: the servers that know it (2.12+) store it, and the relay refuses it.
+    let unsafe_events = Events::create_with(&nats.js, |c| stream::Config {
+        persist_mode: Some(stream::PersistenceMode::Async),
+        ..c
+    })
+    .await;
+    let info = nats
+        .js
+        .get_stream(&unsafe_events.name)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .persist_mode;
+    let version = nats.client.server_info().version;
+    let knows = at_least(&version, (2, 12));
+    let checked = Relay::new(outbox)
+        .stream(&unsafe_events.name)
+        .check(&nats.js)
+        .await;
+    if knows {
+        assert_eq!(info, Some(stream::PersistenceMode::Async), "{version}");
+        assert!(
+            matches!(checked, Err(RelayError::AsyncPersistence { .. })),
+            "{checked:?}"
+        );
+    } else {
+        assert_ne!(info, Some(stream::PersistenceMode::Async), "{version}");
+        checked.unwrap();
+    }
+}
+
+/// Whether nats-server `version` ("2.12.0", "v2.15.1-beta") is at least `(major, minor)`.
+fn at_least(version: &str, wanted: (u64, u64)) -> bool {
+    let mut parts = version
+        .trim_start_matches('v')
+        .split(['.', '-'])
+        .map(|p| p.parse::<u64>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) => (major, minor) >= wanted,
+        _ => false,
+    }
+}
+
+super::behaviours!(
+    handler_that_fails_after_publishing_publishes_nothing,
+    commit_wakes_the_relay,
+    poll_sends_a_row_nobody_woke_the_relay_for,
+    relay_stopped_before_marking_sent_is_republished_once,
+    two_relays_publish_each_row_once_in_key_order,
+    relay_refuses_streams_it_cannot_relay_to_safely,
+);
