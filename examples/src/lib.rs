@@ -1,5 +1,7 @@
-//! The `credit` example: a consumer that credits accounts exactly once per message; and the
-//! `email` example ([`email`]): a two-phase consumer that calls an HTTP API once per message.
+//! The `credit` example: a consumer that credits accounts exactly once per message and announces
+//! each credit through its transactional outbox; the `statements` example ([`statements`]),
+//! which consumes those announcements with an inbox of its own; the `email` example
+//! ([`email`]): a two-phase consumer that calls an HTTP API once per message; and `orders`.
 //!
 //! The binaries in `src/bin/` are thin `main`s over [`run`] and [`email::run`], configured from
 //! the environment (see [`Config::from_env`], [`email::EmailConfig::from_env`]).
@@ -7,12 +9,13 @@
 pub mod email;
 mod observe;
 pub mod orders;
+pub mod statements;
 
 use async_nats::jetstream::consumer::PullConsumer;
 use async_nats::jetstream::{self, consumer::pull, stream};
 use inbox_runtime::{
-    AckMode, App, Backoff, Durable, Handler, Inbox, InboxBackend, Stats, Tx, WorkerBuilder,
-    idempotent, is_transient, sqlite_options,
+    AckMode, App, Backoff, Durable, Handler, Inbox, InboxBackend, Outbox, OutboxMessage, Relay,
+    Stats, Tx, WorkerBuilder, idempotent, is_transient, sqlite_options,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::pool::PoolOptions;
@@ -32,14 +35,55 @@ pub struct CreditRequested {
     pub amount: i64,
 }
 
-/// Adds `msg.amount` to the account's balance in PostgreSQL, creating the account when new.
+/// What `credit` announces for each credit it applies, on `CREDIT_EVENTS_SUBJECT`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreditApplied {
+    /// The request's id.
+    pub id: String,
+    /// The account credited.
+    pub account: i64,
+    /// The amount.
+    pub amount: i64,
+}
+
+/// Where `credit` announces what it applied: its outbox, and the subject.
+pub struct Announce<DB: InboxBackend> {
+    /// The outbox, in the accounts' database.
+    pub outbox: Outbox<DB>,
+    /// `CREDIT_EVENTS_SUBJECT`.
+    pub subject: String,
+}
+
+impl<DB: InboxBackend> Announce<DB> {
+    /// Writes the [`CreditApplied`] of `msg` to the outbox in `tx`: published if and only if the
+    /// credit commits. Per account, events leave in the order they were applied.
+    pub async fn applied(
+        &self,
+        tx: &mut Tx<'_, DB>,
+        msg: &CreditRequested,
+    ) -> Result<(), sqlx::Error> {
+        let event = CreditApplied {
+            id: msg.id.clone(),
+            account: msg.account,
+            amount: msg.amount,
+        };
+        let message = OutboxMessage::json(&*self.subject, &event)
+            .map_err(|e| sqlx::Error::Encode(Box::new(e)))?
+            .order_key(msg.account.to_string());
+        self.outbox.enqueue(tx, message).await.map(drop)
+    }
+}
+
+/// Adds `msg.amount` to the account's balance in PostgreSQL, creating the account when new,
+/// and announces it ([`CreditApplied`]) through the outbox.
 ///
 /// A credit that would take a balance below zero violates the `accounts` CHECK constraint: a
-/// genuine error that rolls back the marker too, never a duplicate.
+/// genuine error that rolls back the marker (and the announcement) too, never a duplicate.
 #[idempotent(consumer = "credit", key = msg.id)]
 pub async fn credit_postgres(
     msg: CreditRequested,
     tx: &mut Tx<Postgres>,
+    events: &Announce<Postgres>,
 ) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
@@ -49,12 +93,16 @@ pub async fn credit_postgres(
     .bind(msg.amount)
     .execute(&mut **tx)
     .await?;
-    Ok(())
+    events.applied(tx, &msg).await
 }
 
 /// [`credit_postgres`] for MySQL and MariaDB.
 #[idempotent(consumer = "credit", key = msg.id)]
-pub async fn credit_mysql(msg: CreditRequested, tx: &mut Tx<MySql>) -> Result<(), sqlx::Error> {
+pub async fn credit_mysql(
+    msg: CreditRequested,
+    tx: &mut Tx<MySql>,
+    events: &Announce<MySql>,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO accounts (id, balance) VALUES (?, ?) \
          ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)",
@@ -63,12 +111,16 @@ pub async fn credit_mysql(msg: CreditRequested, tx: &mut Tx<MySql>) -> Result<()
     .bind(msg.amount)
     .execute(&mut **tx)
     .await?;
-    Ok(())
+    events.applied(tx, &msg).await
 }
 
 /// [`credit_postgres`] for SQLite.
 #[idempotent(consumer = "credit", key = msg.id)]
-pub async fn credit_sqlite(msg: CreditRequested, tx: &mut Tx<Sqlite>) -> Result<(), sqlx::Error> {
+pub async fn credit_sqlite(
+    msg: CreditRequested,
+    tx: &mut Tx<Sqlite>,
+    events: &Announce<Sqlite>,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO accounts (id, balance) VALUES (?1, ?2) \
          ON CONFLICT (id) DO UPDATE SET balance = balance + excluded.balance",
@@ -77,7 +129,7 @@ pub async fn credit_sqlite(msg: CreditRequested, tx: &mut Tx<Sqlite>) -> Result<
     .bind(msg.amount)
     .execute(&mut **tx)
     .await?;
-    Ok(())
+    events.applied(tx, &msg).await
 }
 
 /// Creates `accounts` in PostgreSQL when missing. Serialised by an advisory lock, since
@@ -161,8 +213,14 @@ pub struct Config {
     pub subject: String,
     /// `CREDIT_CONSUMER`: the durable consumer's name, default `credit`.
     pub durable: String,
+    /// `CREDIT_EVENTS_STREAM`: the stream of [`CreditApplied`] events, default `CREDIT_EVENTS`
+    /// (created when missing, with a duplicate window of two minutes).
+    pub events_stream: String,
+    /// `CREDIT_EVENTS_SUBJECT`: their subject, default `credits.applied`.
+    pub events_subject: String,
     /// `CREDIT_CONCURRENCY`: how many messages are processed at once, and the size of the
-    /// database pool, default 8 (SQLite: always 1, its one writer).
+    /// database pool (one connection more, for the outbox relay), default 8 (SQLite: always 1,
+    /// its one writer, and the relay's connection).
     pub concurrency: u32,
     /// `CREDIT_ACK`: `plain` or `double` (see `inbox_runtime::AckMode`), default the runtime's.
     pub ack_mode: Option<AckMode>,
@@ -192,6 +250,8 @@ impl Config {
             stream: var("CREDIT_STREAM", "CREDITS"),
             subject: var("CREDIT_SUBJECT", "credits.requested"),
             durable: var("CREDIT_CONSUMER", "credit"),
+            events_stream: var("CREDIT_EVENTS_STREAM", "CREDIT_EVENTS"),
+            events_subject: var("CREDIT_EVENTS_SUBJECT", "credits.applied"),
             concurrency: count("CREDIT_CONCURRENCY", "8")?,
             ack_mode: match var("CREDIT_ACK", "").as_str() {
                 "" => None,
@@ -222,6 +282,8 @@ impl std::fmt::Debug for Config {
             .field("stream", &self.stream)
             .field("subject", &self.subject)
             .field("durable", &self.durable)
+            .field("events_stream", &self.events_stream)
+            .field("events_subject", &self.events_subject)
             .field("concurrency", &self.concurrency)
             .field("ack_mode", &self.ack_mode)
             .field("batch", &self.batch)
@@ -252,6 +314,11 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     else {
         return Ok(Stats::default());
     };
+    let replicas = stream.cached_info().config.num_replicas;
+    let events = || events_stream(&jetstream, config, replicas);
+    if until_up("NATS", &shutdown, events).await?.is_none() {
+        return Ok(Stats::default());
+    }
     let url = config.database_url.as_str();
     let shown = redact::url(url);
     let scheme = url.split_once(':').map_or("", |(s, _)| s);
@@ -261,6 +328,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
         ack_mode: config.ack_mode,
         jetstream,
         durable: &config.durable,
+        events: (&config.events_stream, &config.events_subject),
         metrics: config.metrics,
         stream: &stream,
         database: &shown,
@@ -269,23 +337,25 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     match scheme {
         "postgres" | "postgresql" => {
             let options = url.parse().map_err(bad_url)?;
-            let pool = server_pool::<Postgres>(config.concurrency);
+            let pool = server_pool::<Postgres>(config.concurrency + 1);
             on.serve(pool, options, create_accounts_postgres, credit_postgres)
                 .await
         }
         "mysql" | "mariadb" => {
             let options = url.parse().map_err(bad_url)?;
-            let pool = server_pool::<MySql>(config.concurrency);
+            let pool = server_pool::<MySql>(config.concurrency + 1);
             on.serve(pool, options, create_accounts_mysql, credit_mysql)
                 .await
         }
         "sqlite" => {
             let options = sqlite_options(url).map_err(bad_url)?;
             // SQLite has one writer at a time: more connections would only queue for the lock.
-            // Processes opening a new file together race to switch it to WAL, and the loser gets
-            // SQLITE_BUSY at once, without waiting out the busy timeout: waited out like an outage.
+            // One for the worker, one for the outbox relay (which reads and marks, and holds
+            // no lock while it publishes). Processes opening a new file together race to switch
+            // it to WAL, and the loser gets SQLITE_BUSY at once, without waiting out the busy
+            // timeout: waited out like an outage.
             let pool = PoolOptions::<Sqlite>::new()
-                .max_connections(1)
+                .max_connections(2)
                 .test_before_acquire(false);
             on.serve(pool, options, create_accounts_sqlite, credit_sqlite)
                 .await
@@ -295,6 +365,35 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
         )
         .into()),
     }
+}
+
+/// Gets or creates `config.events_stream` on `config.events_subject`, with `replicas` (those of
+/// the requests' stream) and a duplicate window of two minutes: the outbox relay's re-publishes
+/// after a crash land in it.
+async fn events_stream(
+    js: &jetstream::Context,
+    config: &Config,
+    replicas: usize,
+) -> Result<(), StartError> {
+    js.get_or_create_stream(stream::Config {
+        name: config.events_stream.clone(),
+        subjects: vec![config.events_subject.clone()],
+        duplicate_window: Duration::from_secs(120),
+        max_age: MAX_AGE,
+        num_replicas: replicas,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| {
+        use async_nats::jetstream::context::CreateStreamErrorKind as Kind;
+        let what = format!("cannot get or create stream {}: {e}", config.events_stream);
+        match e.kind() {
+            Kind::TimedOut | Kind::JetStreamUnavailable => StartError::Down(what),
+            Kind::JetStream(e) if e.code() == 503 => StartError::Down(what),
+            _ => StartError::Fatal(what.into()),
+        }
+    })?;
+    Ok(())
 }
 
 /// Why a start-up step failed: a service that is down (wait and retry) or anything else (stop).
@@ -517,6 +616,8 @@ struct Serve<'a> {
     jetstream: jetstream::Context,
     /// The durable consumer's name.
     durable: &'a str,
+    /// `CREDIT_EVENTS_STREAM`, `CREDIT_EVENTS_SUBJECT`.
+    events: (&'a str, &'a str),
     /// `METRICS_ADDR`.
     metrics: Option<std::net::SocketAddr>,
     stream: &'a stream::Stream,
@@ -527,7 +628,7 @@ struct Serve<'a> {
 
 impl Serve<'_> {
     /// Opens the pool (waiting out a database that is down), creates `accounts`, migrates the
-    /// inbox and runs the worker until `shutdown`.
+    /// inbox and the outbox, and runs the worker and the outbox's relay until `shutdown`.
     async fn serve<H>(
         self,
         pool: PoolOptions<H::Db>,
@@ -536,7 +637,7 @@ impl Serve<'_> {
         handler: H,
     ) -> Result<Stats, Error>
     where
-        H: Handler<State = ()>,
+        H: Handler<State = Announce<<H as Handler>::Db>>,
     {
         let shown = self.database;
         let connect = || {
@@ -549,6 +650,13 @@ impl Serve<'_> {
         create_accounts(&pool).await?;
         let inbox = Inbox::new(pool.clone());
         inbox.migrate().await?;
+        let outbox = Outbox::new(pool.clone());
+        outbox.migrate().await?;
+        let (events_stream, events_subject) = self.events;
+        let announce = Announce {
+            outbox: outbox.clone(),
+            subject: events_subject.to_owned(),
+        };
         let durable = Durable::existing(&self.stream.cached_info().config.name, self.durable);
         let (stream, batch, ack_mode) = (self.stream.clone(), self.batch, self.ack_mode);
         let configure = move |w: WorkerBuilder<H::Db>| {
@@ -560,8 +668,9 @@ impl Serve<'_> {
                 None => w,
             }
         };
-        let app =
-            App::new(inbox, &self.jetstream).handler_configured(handler, (), durable, configure);
+        let app = App::new(inbox, &self.jetstream)
+            .handler_configured(handler, announce, durable, configure)
+            .relay(Relay::new(outbox).stream(events_stream));
         if let Some(addr) = self.metrics {
             observe::serve(addr, app.health()).await?;
         }

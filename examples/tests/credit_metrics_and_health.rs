@@ -35,6 +35,8 @@ async fn metrics_count_and_healthz_follows_the_database() {
         ("DATABASE_URL", database_url),
         ("CREDIT_STREAM", nats.stream.clone()),
         ("CREDIT_SUBJECT", nats.subject.clone()),
+        ("CREDIT_EVENTS_STREAM", format!("{}_EVENTS", nats.stream)),
+        ("CREDIT_EVENTS_SUBJECT", format!("events.{}", nats.subject)),
         ("CREDIT_CONSUMER", unique("metrics_")),
         ("CREDIT_CONCURRENCY", "2".into()),
         ("METRICS_ADDR", format!("127.0.0.1:{metrics_port}")),

@@ -41,6 +41,8 @@ async fn credit_reaches_postgres_over_tls_and_nats_with_an_nkey() {
             ("DATABASE_URL", database_url),
             ("CREDIT_STREAM", stream.clone()),
             ("CREDIT_SUBJECT", subject.clone()),
+            ("CREDIT_EVENTS_STREAM", format!("{stream}_EVENTS")),
+            ("CREDIT_EVENTS_SUBJECT", format!("events.{subject}")),
             ("CREDIT_CONCURRENCY", "2".to_owned()),
         ];
         if nkey {

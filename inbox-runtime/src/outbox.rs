@@ -276,9 +276,11 @@ impl<DB: InboxBackend> Outbox<DB> {
     }
 
     /// Creates or updates the outbox's table (its migrations are tracked in
-    /// `_<table>_migrations`, apart from the application's).
+    /// `_<table>_migrations`, apart from the application's). Safe to run from several instances
+    /// at once.
     pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
-        DB::run_migrator(&self.inner.pool, &outbox_migrator::<DB>(&self.inner.table)).await
+        let migrator = outbox_migrator::<DB>(&self.inner.table);
+        crate::store::migrate_racing(&self.inner.pool, &self.inner.table, &migrator).await
     }
 
     /// The table.

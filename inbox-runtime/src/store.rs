@@ -225,35 +225,7 @@ impl<DB: InboxBackend> Inbox<DB> {
 
     async fn run_migrations(&self) -> Result<(), sqlx::migrate::MigrateError> {
         let migrator = backend::migrator::<DB>(&self.table, &self.layout);
-        // Instances starting together race: sqlx takes no lock on SQLite, and its MySQL lock did
-        // not hold on MariaDB here, so the loser fails to record a migration the winner is
-        // applying or has applied. The DDL is idempotent; a later attempt sees it recorded.
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-        let mut attempt = 1;
-        loop {
-            match DB::run_migrator(&self.pool, &migrator).await {
-                Ok(()) => return Ok(()),
-                // A step that was interrupted (MySQL's DDL is not transactional, so a process
-                // killed inside it leaves the step recorded as dirty) would block every restart.
-                // Every step is idempotent: forget the dirty record and run the step again.
-                Err(sqlx::migrate::MigrateError::Dirty(version)) if attempt < 5 => {
-                    tracing::warn!(
-                        table = %self.table,
-                        version,
-                        "an earlier migration of the inbox table was interrupted; running it again"
-                    );
-                    let forget = backend::forget_dirty_sql(&self.table, version);
-                    DB::execute(&self.pool, forget).await?;
-                    attempt += 1;
-                }
-                Err(e) if attempt < 5 => {
-                    tracing::debug!(error = %e, attempt, "inbox migration raced another instance; retrying");
-                    tokio::time::sleep(backoff.next()).await;
-                    attempt += 1;
-                }
-                Err(e) => return Err(e),
-            }
-        }
+        migrate_racing(&self.pool, &self.table, &migrator).await
     }
 
     /// Processes `message` exactly once: in a fresh transaction, claims its key and, when the claim
@@ -504,5 +476,42 @@ impl Inbox<sqlx::Postgres> {
         self.layout = Layout::Partitioned(partitions);
         self.sql = Statements::new::<sqlx::Postgres>(&self.table, &self.layout, self.lock_timeout);
         self
+    }
+}
+
+/// Runs `migrator` (of `table`) on `pool`, where instances starting together race: sqlx takes no
+/// lock on SQLite, and its MySQL lock did not hold on MariaDB here, so the loser fails to record
+/// a migration the winner is applying or has applied. The DDL is idempotent; a later attempt
+/// sees it recorded.
+pub(crate) async fn migrate_racing<DB: InboxBackend>(
+    pool: &Pool<DB>,
+    table: &TableName,
+    migrator: &sqlx::migrate::Migrator,
+) -> Result<(), sqlx::migrate::MigrateError> {
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    let mut attempt = 1;
+    loop {
+        match DB::run_migrator(pool, migrator).await {
+            Ok(()) => return Ok(()),
+            // A step that was interrupted (MySQL's DDL is not transactional, so a process
+            // killed inside it leaves the step recorded as dirty) would block every restart.
+            // Every step is idempotent: forget the dirty record and run the step again.
+            Err(sqlx::migrate::MigrateError::Dirty(version)) if attempt < 5 => {
+                tracing::warn!(
+                    %table,
+                    version,
+                    "an earlier migration of the table was interrupted; running it again"
+                );
+                let forget = backend::forget_dirty_sql(table, version);
+                DB::execute(pool, forget).await?;
+                attempt += 1;
+            }
+            Err(e) if attempt < 5 => {
+                tracing::debug!(error = %e, attempt, %table, "migration raced another instance; retrying");
+                tokio::time::sleep(backoff.next()).await;
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
     }
 }

@@ -136,6 +136,18 @@ impl Summary {
     }
 }
 
+impl CreditConfig {
+    /// `CREDIT_EVENTS_STREAM`: derived from the requests' stream, so that every run has its own.
+    pub fn events_stream(&self) -> String {
+        format!("{}_EVENTS", self.stream)
+    }
+
+    /// `CREDIT_EVENTS_SUBJECT`: derived from the requests' subject.
+    pub fn events_subject(&self) -> String {
+        format!("events.{}", self.subject)
+    }
+}
+
 impl CreditProcess {
     /// Starts `credit` as `config` says, its log appended to `log` (discarded when `None`).
     pub fn spawn(config: &CreditConfig, log: Option<&Path>) -> Result<CreditProcess, String> {
@@ -145,6 +157,8 @@ impl CreditProcess {
             ("CREDIT_STREAM", config.stream.clone()),
             ("CREDIT_SUBJECT", config.subject.clone()),
             ("CREDIT_CONSUMER", config.consumer.clone()),
+            ("CREDIT_EVENTS_STREAM", config.events_stream()),
+            ("CREDIT_EVENTS_SUBJECT", config.events_subject()),
             ("RUST_LOG", config.rust_log.clone()),
         ];
         Self::spawn_with("credit", &config.binary, &env, log)

@@ -422,6 +422,7 @@ async fn consumer_run(
     }
     .await;
     let _ = js.delete_stream(&name).await;
+    let _ = js.delete_stream(format!("{name}_EVENTS")).await;
     db.remove().await?;
     result
 }
@@ -453,6 +454,8 @@ fn spawn_contender(
         .env("NATS_URL", &nats.url)
         .env("CREDIT_STREAM", stream)
         .env("CREDIT_SUBJECT", format!("bench.{stream}"))
+        .env("CREDIT_EVENTS_STREAM", format!("{stream}_EVENTS"))
+        .env("CREDIT_EVENTS_SUBJECT", format!("bench.events.{stream}"))
         .env("CREDIT_CONSUMER", "bench")
         .env("CREDIT_CONCURRENCY", options.concurrency.to_string())
         .env("BENCH_CONCURRENCY", options.concurrency.to_string())

@@ -344,6 +344,11 @@ struct Observed {
     balances: HashMap<i64, i64>,
     /// Every message of the dead-letter stream.
     letters: Vec<Letter>,
+    /// Every event of the announcements' stream (`<STREAM>_EVENTS`): (id, account), or why it
+    /// does not parse.
+    events: Vec<Result<(String, i64), String>>,
+    /// Outbox rows not marked sent once every process has stopped.
+    unsent_events: i64,
 }
 
 /// A way a message can end wrong.
@@ -375,6 +380,15 @@ enum Problem {
     StrayLetter,
     /// A marker or an account that no published message explains.
     StrayRow,
+    /// An applied request without its `credits.applied` event.
+    NotAnnounced,
+    /// An applied request with more than one event.
+    AnnouncedTwice,
+    /// An event for a request that was not applied (skipped, rejected, unknown), or that does
+    /// not parse, or names another account.
+    StrayEvent,
+    /// Outbox rows left unsent after every process stopped.
+    Unsent,
 }
 
 impl Problem {
@@ -394,6 +408,10 @@ impl Problem {
             Problem::BeforeMaxDeliver => "dead-lettered before max_deliver",
             Problem::StrayLetter => "letter matching no published message",
             Problem::StrayRow => "marker or account no message explains",
+            Problem::NotAnnounced => "applied, but no event announces it",
+            Problem::AnnouncedTwice => "announced more than once",
+            Problem::StrayEvent => "event for no applied request",
+            Problem::Unsent => "outbox rows never published",
         }
     }
 }
@@ -405,6 +423,8 @@ struct Findings {
     applied_once: usize,
     /// Messages to reject with exactly one letter.
     dead_once: usize,
+    /// Applied requests announced by exactly one event.
+    announced_once: usize,
     /// Every problem, with the messages (labels) it concerns.
     problems: BTreeMap<Problem, Vec<String>>,
 }
@@ -546,6 +566,36 @@ fn audit(published: &Published, seen: &Observed) -> Findings {
     }
     for key in &seen.open_markers {
         f.add(Problem::OpenMarker, key);
+    }
+
+    // Announcements: exactly one event per applied request, none for anything else.
+    let mut events: HashMap<&str, Vec<i64>> = HashMap::new();
+    for event in &seen.events {
+        match event {
+            Ok((id, account)) => events.entry(id.as_str()).or_default().push(*account),
+            Err(why) => f.add(Problem::StrayEvent, why.clone()),
+        }
+    }
+    for (id, (account, _)) in &requests {
+        let got = events.remove(*id).unwrap_or_default();
+        let applied = seen.markers.contains(*id);
+        match (applied, got.len()) {
+            (true, 1) if Some(got[0]) == *account => f.announced_once += 1,
+            (true, 1) => f.add(Problem::StrayEvent, format!("{id} (account {})", got[0])),
+            (true, 0) => f.add(Problem::NotAnnounced, *id),
+            (true, n) => f.add(Problem::AnnouncedTwice, format!("{id} ({n} events)")),
+            (false, 0) => {}
+            (false, n) => f.add(
+                Problem::StrayEvent,
+                format!("{id} ({n} events, not applied)"),
+            ),
+        }
+    }
+    for (id, got) in events {
+        f.add(Problem::StrayEvent, format!("{id} ({} events)", got.len()));
+    }
+    if seen.unsent_events > 0 {
+        f.add(Problem::Unsent, format!("{} rows", seen.unsent_events));
     }
     for labels in f.problems.values_mut() {
         labels.sort();
@@ -718,6 +768,7 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
             "backend",
             "published",
             "applied once",
+            "announced",
             "dead",
             "lost",
             "twice",
@@ -749,6 +800,7 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
                 r.backend.name().to_owned(),
                 r.total.to_string(),
                 format!("{}/{}", f.applied_once, r.requests),
+                format!("{}/{}", f.announced_once, r.requests),
                 format!("{}/{}", f.dead_once, r.dead_expected),
                 lost.to_string(),
                 twice.to_string(),
@@ -759,14 +811,16 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
                 db_cut,
             ]);
         }
-        for column in 1..11 {
+        for column in 1..12 {
             if let Some(c) = table.column_mut(column) {
                 c.set_cell_alignment(comfy_table::CellAlignment::Right);
             }
         }
         println!("{table}");
         println!(
-            "(applied once: request ids whose balance is 1 with a committed marker; dead: messages to \
+            "(applied once: request ids whose balance is 1 with a committed marker; announced: of \
+         them, those with exactly one event in {EVENTS_STREAM} (and no event for anything else); \
+         dead: messages to \
          reject with exactly one letter; dlq rej.: letter publishes the dead-letter stream \
          rejected (of them on a last delivery); skipped, by the processes that stopped cleanly: {})",
             reports
@@ -791,8 +845,9 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
     );
     if passed == reports.len() && emails_failed == 0 {
         println!(
-            "\nexactly once under faults, message by message: every request applied once, every \
-             rejected message dead-lettered once, nothing else; every e-mail done or \
+            "\nexactly once under faults, message by message: every request applied once and \
+             announced once, every rejected message dead-lettered once (and never announced), \
+             nothing else; every e-mail done or \
              dead-lettered, called under one idempotency key, never twice at once."
         );
         Ok(())
@@ -843,6 +898,7 @@ async fn chaos(
         .await?;
         let seen = observe(backend, &pool, &js).await?;
         let _ = js.delete_stream(STREAM).await;
+        let _ = js.delete_stream(EVENTS_STREAM).await;
         Ok(Report {
             backend,
             total: published.by_seq.len(),
@@ -1330,12 +1386,57 @@ async fn observe(
         .map_err(|e| format!("{sql}: {e}"))?
         .into_iter()
         .collect();
+    let sql = "SELECT CAST(count(*) AS BIGINT) FROM outbox WHERE sent_at IS NULL";
+    let sql = match backend {
+        Backend::MySql => "SELECT CAST(count(*) AS SIGNED) FROM outbox WHERE sent_at IS NULL",
+        _ => sql,
+    };
+    let unsent_events = sqlx::query_scalar::<_, i64>(sql)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| format!("{sql}: {e}"))?;
     Ok(Observed {
         markers,
         open_markers,
         balances,
         letters: letters(js).await?,
+        events: events(js).await?,
+        unsent_events,
     })
+}
+
+/// The stream of `credit`'s announcements in a chaos run.
+const EVENTS_STREAM: &str = "CHAOS_EVENTS";
+
+/// Every event of [`EVENTS_STREAM`], read one by one: (id, account), or why it does not
+/// parse. Fails unless all were read.
+async fn events(js: &jetstream::Context) -> Result<Vec<Result<(String, i64), String>>, String> {
+    let what = |e: &dyn std::fmt::Display| format!("events stream {EVENTS_STREAM}: {e}");
+    let mut stream = js.get_stream(EVENTS_STREAM).await.map_err(|e| what(&e))?;
+    let state = stream.info().await.map_err(|e| what(&e))?.state.clone();
+    let mut events = Vec::new();
+    if state.messages > 0 {
+        for seq in state.first_sequence..=state.last_sequence {
+            match stream.get_raw_message(seq).await {
+                Ok(m) => events.push(
+                    serde_json::from_slice::<serde_json::Value>(&m.payload)
+                        .ok()
+                        .and_then(|v| Some((v["id"].as_str()?.to_owned(), v["account"].as_i64()?)))
+                        .ok_or_else(|| format!("event #{seq} does not parse")),
+                ),
+                Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
+                Err(e) => return Err(what(&format!("message {seq}: {e}"))),
+            }
+        }
+    }
+    if events.len() as u64 != state.messages {
+        return Err(what(&format!(
+            "read {} events, the stream holds {}",
+            events.len(),
+            state.messages
+        )));
+    }
+    Ok(events)
 }
 
 /// Every message of the dead-letter stream, read one by one; fails unless all were read.
@@ -1464,6 +1565,8 @@ mod tests {
                 letter(1, 3, b"{ not json 0", 1),
                 letter(2, 6, b"unopened", MAX_DELIVER),
             ],
+            events: vec![Ok(("r-0".into(), 0)), Ok(("r-1".into(), 1))],
+            unsent_events: 0,
         }
     }
 
@@ -1475,7 +1578,34 @@ mod tests {
     fn a_clean_run_has_no_findings() {
         let f = audit(&published(), &clean());
         assert!(f.problems.is_empty(), "{:?}", f.problems);
-        assert_eq!((f.applied_once, f.dead_once), (2, 2));
+        assert_eq!((f.applied_once, f.dead_once, f.announced_once), (2, 2, 2));
+    }
+
+    #[test]
+    fn a_missing_a_doubled_and_a_stray_announcement_are_named() {
+        let mut seen = clean();
+        seen.events = vec![
+            Ok(("r-1".into(), 1)),
+            Ok(("r-1".into(), 1)),
+            Ok(("u-0".into(), 9)),
+            Err("event #4 does not parse".into()),
+        ];
+        seen.unsent_events = 3;
+        assert_eq!(
+            problems(&seen),
+            [
+                (Problem::NotAnnounced, vec!["r-0".to_owned()]),
+                (Problem::AnnouncedTwice, vec!["r-1 (2 events)".to_owned()]),
+                (
+                    Problem::StrayEvent,
+                    vec![
+                        "event #4 does not parse".to_owned(),
+                        "u-0 (1 events)".to_owned()
+                    ]
+                ),
+                (Problem::Unsent, vec!["3 rows".to_owned()]),
+            ]
+        );
     }
 
     #[test]
@@ -1484,6 +1614,7 @@ mod tests {
         seen.markers.remove("r-1");
         seen.balances.remove(&1);
         seen.balances.insert(0, 2);
+        seen.events.truncate(1);
         assert_eq!(
             problems(&seen),
             [
@@ -1499,6 +1630,7 @@ mod tests {
         seen.markers.remove("r-0");
         seen.balances.remove(&1);
         seen.open_markers.push("r-9".into());
+        seen.events.drain(..1);
         assert_eq!(
             problems(&seen),
             [

@@ -207,6 +207,8 @@ async fn supervise(
             ("CREDIT_STREAM", config.stream.clone()),
             ("CREDIT_SUBJECT", config.subject.clone()),
             ("CREDIT_CONSUMER", config.consumer.clone()),
+            ("CREDIT_EVENTS_STREAM", config.events_stream()),
+            ("CREDIT_EVENTS_SUBJECT", config.events_subject()),
             ("RUST_LOG", config.rust_log.clone()),
             ("CREDIT_CONCURRENCY", CONCURRENCY.into()),
         ];
