@@ -229,6 +229,9 @@ pub struct Config {
     /// `CREDIT_BATCH`: commit up to this many messages per transaction (see
     /// `WorkerBuilder::batch`), waiting at most 10 ms for a batch to fill; default 1, no batching.
     pub batch: usize,
+    /// `CREDIT_TEST_RELAY_HOLD_MS` (tests only): how long the outbox relay waits between its
+    /// PubAcks and marking the rows sent, so that a test can kill the process there.
+    pub relay_hold: Duration,
 }
 
 impl Config {
@@ -260,6 +263,7 @@ impl Config {
                 other => return Err(format!("CREDIT_ACK={other:?}: use plain or double")),
             },
             batch: count("CREDIT_BATCH", "1")? as usize,
+            relay_hold: Duration::from_millis(env.number("CREDIT_TEST_RELAY_HOLD_MS", "0", 0)?),
             metrics: observe::metrics_addr(&env)?,
         })
     }
@@ -287,6 +291,7 @@ impl std::fmt::Debug for Config {
             .field("concurrency", &self.concurrency)
             .field("ack_mode", &self.ack_mode)
             .field("batch", &self.batch)
+            .field("relay_hold", &self.relay_hold)
             .field("metrics", &self.metrics)
             .finish()
     }
@@ -329,6 +334,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
         jetstream,
         durable: &config.durable,
         events: (&config.events_stream, &config.events_subject),
+        relay_hold: config.relay_hold,
         metrics: config.metrics,
         stream: &stream,
         database: &shown,
@@ -618,6 +624,8 @@ struct Serve<'a> {
     durable: &'a str,
     /// `CREDIT_EVENTS_STREAM`, `CREDIT_EVENTS_SUBJECT`.
     events: (&'a str, &'a str),
+    /// `CREDIT_TEST_RELAY_HOLD_MS`.
+    relay_hold: Duration,
     /// `METRICS_ADDR`.
     metrics: Option<std::net::SocketAddr>,
     stream: &'a stream::Stream,
@@ -668,9 +676,22 @@ impl Serve<'_> {
                 None => w,
             }
         };
+        let mut relay = Relay::new(outbox).stream(events_stream);
+        let hold = self.relay_hold;
+        if !hold.is_zero() {
+            relay = relay.before_mark(std::sync::Arc::new(move || {
+                Box::pin(async move {
+                    tracing::info!(
+                        ?hold,
+                        "holding the relay before it marks rows sent (CREDIT_TEST_RELAY_HOLD_MS)"
+                    );
+                    tokio::time::sleep(hold).await;
+                })
+            }));
+        }
         let app = App::new(inbox, &self.jetstream)
             .handler_configured(handler, announce, durable, configure)
-            .relay(Relay::new(outbox).stream(events_stream));
+            .relay(relay);
         if let Some(addr) = self.metrics {
             observe::serve(addr, app.health()).await?;
         }

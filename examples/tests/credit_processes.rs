@@ -125,6 +125,29 @@ async fn three_processes_with_duplicates<B: TestBackend>() {
         "a request was lost or applied twice"
     );
     assert_eq!(applied_total, requests.len() as u64);
+    // Every applied request announced once, through the outbox of whichever process applied it.
+    let events = format!("{}_EVENTS", nats.stream);
+    let stream = nats
+        .js
+        .get_stream(&events)
+        .await
+        .expect("the events stream");
+    let state = stream.cached_info().state.clone();
+    let mut ids = std::collections::BTreeSet::new();
+    for seq in state.first_sequence..=state.last_sequence {
+        let m = stream.get_raw_message(seq).await.unwrap();
+        let event: serde_json::Value = serde_json::from_slice(&m.payload).unwrap();
+        assert!(
+            ids.insert(event["id"].as_str().unwrap().to_owned()),
+            "{event} twice"
+        );
+    }
+    assert_eq!(
+        ids.len(),
+        requests.len(),
+        "every applied request announced once"
+    );
+    let _ = nats.js.delete_stream(&events).await;
 }
 
 /// Both tests for one backend.

@@ -418,6 +418,13 @@ pub(crate) mod sealed {
             std::future::ready(Ok(0))
         }
 
+        /// `err` as this backend's database error, when it is one: a handler's error that wraps
+        /// a `sqlx::Error` transparently (`#[error(transparent)]`) shows, as its source, the
+        /// database error inside it rather than the `sqlx::Error`.
+        fn downcast_database_error<'e>(
+            err: &'e (dyn std::error::Error + 'static),
+        ) -> Option<&'e dyn sqlx::error::DatabaseError>;
+
         /// The outbox (`outbox.rs`): the migrations that create `table` and its indexes.
         fn outbox_migration_sql(table: &TableName) -> Vec<String>;
 

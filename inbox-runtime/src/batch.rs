@@ -66,7 +66,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             return vec![Batched::Alone; keys.len()];
         }
         // The relay of every outbox the handlers wrote to is woken once the batch commits.
-        crate::outbox::waking(async {
+        // Boxed, as in `process_keyed`: a large future, kept off the stack.
+        crate::outbox::waking(Box::pin(async {
             let lean = self.batch_lean(handler, state, keys, deliveries, decoded);
             let culprit = match lean.await {
                 Ok(done) => return done,
@@ -76,7 +77,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             self.batch_with_savepoints(handler, state, keys, deliveries, culprit, &message)
                 .await
                 .unwrap_or_else(|_| vec![Batched::Alone; keys.len()])
-        })
+        }))
         .await
     }
 

@@ -96,6 +96,9 @@ pub(crate) fn is_outage<DB: InboxBackend>(err: &ProcessError) -> bool {
                 if let Some(sqlx_err) = e.downcast_ref::<sqlx::Error>() {
                     return is_connection_error::<DB>(sqlx_err);
                 }
+                if let Some(db) = database_error::<DB>(e) {
+                    return DB::is_connection_error(db);
+                }
                 next = e.source();
             }
             false
@@ -126,14 +129,19 @@ fn classify_handler_error<DB: InboxBackend>(
         if e.is::<Transient>() {
             return ErrorClass::Transient;
         }
+        // A handler's error that wraps a sqlx::Error transparently (thiserror's
+        // `#[error(transparent)]`) has the database error itself as its source.
+        if let Some(db) = database_error::<DB>(e) {
+            if is_integrity_or_data::<DB>(db) {
+                return ErrorClass::Permanent;
+            }
+            if DB::is_transient_error(db) {
+                return ErrorClass::Transient;
+            }
+        }
         if let Some(sqlx_err) = e.downcast_ref::<sqlx::Error>() {
             if let Some(db) = sqlx_err.as_database_error()
-                && (matches!(
-                    db.kind(),
-                    ErrorKind::UniqueViolation
-                        | ErrorKind::NotNullViolation
-                        | ErrorKind::CheckViolation
-                ) || DB::is_data_error(db))
+                && is_integrity_or_data::<DB>(db)
             {
                 // Integrity violations and bad data in the business write: the same message will
                 // fail the same way every time. Not a foreign-key violation: the parent row may
@@ -148,6 +156,26 @@ fn classify_handler_error<DB: InboxBackend>(
         next = e.source();
     }
     ErrorClass::Unknown
+}
+
+/// `e` as a database error, when it is one: what a `sqlx::Error::Database` gives as its source
+/// (the boxed error), or the backend's own error type.
+fn database_error<'e, DB: InboxBackend>(
+    e: &'e (dyn std::error::Error + 'static),
+) -> Option<&'e dyn sqlx::error::DatabaseError> {
+    match e.downcast_ref::<Box<dyn sqlx::error::DatabaseError>>() {
+        Some(boxed) => Some(boxed.as_ref()),
+        None => DB::downcast_database_error(e),
+    }
+}
+
+/// An integrity violation or bad data in the business write: the same message fails the same
+/// way every time.
+fn is_integrity_or_data<DB: InboxBackend>(db: &dyn sqlx::error::DatabaseError) -> bool {
+    matches!(
+        db.kind(),
+        ErrorKind::UniqueViolation | ErrorKind::NotNullViolation | ErrorKind::CheckViolation
+    ) || DB::is_data_error(db)
 }
 
 #[cfg(all(test, feature = "postgres"))]

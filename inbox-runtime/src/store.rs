@@ -259,7 +259,11 @@ impl<DB: InboxBackend> Inbox<DB> {
         key: &str,
     ) -> Result<Outcome, ProcessError> {
         // The relay of every outbox the handler wrote to is woken once this ends.
-        crate::outbox::waking(self.process_keyed_now(handler, state, message, delivery, key)).await
+        // Boxed: the processing future (a two-phase claim's above all) is large, and moving it
+        // through the scope's layers by value overflowed a worker thread's stack in debug
+        // builds.
+        let work = Box::pin(self.process_keyed_now(handler, state, message, delivery, key));
+        crate::outbox::waking(work).await
     }
 
     async fn process_keyed_now<H: Handler<Db = DB>>(

@@ -327,17 +327,19 @@ macro_rules! backend_handlers {
 
         /// Appends a ledger row, announces it through the outbox of [`Announcer`] (the entry
         /// as JSON), and only then credits the account: an overdraw fails (a CHECK violation,
-        /// permanent) after the publish.
+        /// permanent) after the publish. Its error wraps sqlx's transparently, as many
+        /// applications' error types do.
         #[idempotent(consumer = "announce", key = msg.key)]
         pub async fn announce(
             msg: Entry,
             tx: &mut Tx<$db>,
             to: &$crate::handlers::Announcer<$db>,
-        ) -> Result<(), sqlx::Error> {
+        ) -> Result<(), LedgerError> {
             append(&msg, tx).await?;
             to.outbox.publish(tx, &to.subject, &msg).await?;
             let upsert = sqlx::query($credit).bind(msg.account).bind(msg.amount);
-            upsert.execute(&mut **tx).await.map(drop)
+            upsert.execute(&mut **tx).await?;
+            Ok(())
         }
 
         /// Records a payment whose reference (`msg.account`) is UNIQUE in the business table.

@@ -136,6 +136,13 @@ impl Backend for MySql {
         .into_sql_str()
     }
 
+    fn downcast_database_error<'e>(
+        err: &'e (dyn std::error::Error + 'static),
+    ) -> Option<&'e dyn sqlx::error::DatabaseError> {
+        let err = err.downcast_ref::<sqlx::mysql::MySqlDatabaseError>()?;
+        Some(err)
+    }
+
     fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // 1053 server shutdown, 1927 connection killed (MariaDB), 2006 gone away, 2013 lost
         // connection, 4031 idle timeout.

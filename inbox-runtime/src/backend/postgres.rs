@@ -122,6 +122,13 @@ impl Backend for Postgres {
         AssertSqlSafe(format!("BEGIN; SET LOCAL lock_timeout = {ms}")).into_sql_str()
     }
 
+    fn downcast_database_error<'e>(
+        err: &'e (dyn std::error::Error + 'static),
+    ) -> Option<&'e dyn sqlx::error::DatabaseError> {
+        let err = err.downcast_ref::<sqlx::postgres::PgDatabaseError>()?;
+        Some(err)
+    }
+
     fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // 57P01-03: the server is shutting down, crashed or not yet accepting connections (the
         // session was terminated); class 08: connection exceptions.

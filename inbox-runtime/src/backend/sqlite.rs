@@ -167,6 +167,13 @@ impl Backend for Sqlite {
         SqlStr::from_static("BEGIN IMMEDIATE")
     }
 
+    fn downcast_database_error<'e>(
+        err: &'e (dyn std::error::Error + 'static),
+    ) -> Option<&'e dyn sqlx::error::DatabaseError> {
+        let err = err.downcast_ref::<sqlx::sqlite::SqliteError>()?;
+        Some(err)
+    }
+
     fn is_connection_error(_: &dyn sqlx::error::DatabaseError) -> bool {
         // In-process: no connection to lose.
         false

@@ -1,5 +1,7 @@
 //! The transactional outbox, end to end on a real database and JetStream:
-//! - a handler that publishes and then fails publishes nothing, and leaves no row;
+//! - a handler that publishes and then fails publishes nothing, and leaves no row (its failure, a
+//!   CHECK violation behind an `#[error(transparent)]` error of its own, is dead-lettered at
+//!   once);
 //! - a worker's commit wakes the relay (no poll for an hour, and the event still comes);
 //! - a row committed where nothing wakes the relay (its writer died after COMMIT) goes at the
 //!   next poll;
@@ -157,6 +159,14 @@ async fn handler_that_fails_after_publishing_publishes_nothing<B: TestBackend>()
     .await
     .unwrap();
     assert_eq!(B::count(&db, "SELECT count(*) FROM outbox").await, 0);
+    // At once: a CHECK violation is permanent, also behind the handler's own error type
+    // (`#[error(transparent)]` around sqlx's).
+    let letters = nats.dead_letters().await;
+    let delivered = letters[0]
+        .1
+        .get("Inbox-Delivered")
+        .map(|v| v.as_str().to_owned());
+    assert_eq!(delivered.as_deref(), Some("1"), "{letters:?}");
     // A good message after it goes through the same path: the relay works, and the failed one
     // never comes.
     let good = Entry::new("good", 2, 7);
