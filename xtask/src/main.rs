@@ -81,8 +81,9 @@ async fn test(options: &cli::TestArgs) -> Result<(), String> {
     }
 }
 
-/// What CI runs: services, formatting, lints, every test on the machine's nats-server and again
-/// on a current release, then a short chaos run on each.
+/// What CI runs: services, formatting, lints, docs, one build; then every test on the machine's
+/// nats-server beside a short chaos run on each server; then the behaviour suite batched and
+/// every test but the macro's UI tests on a current release, side by side.
 async fn everything() -> Result<(), String> {
     services::ensure(&services::needed(&Backend::ALL)).await?;
     cargo_step("formatting", &["fmt", "--all", "--", "--check"])?;
@@ -113,9 +114,12 @@ async fn everything() -> Result<(), String> {
         ],
         &[("RUSTDOCFLAGS", std::ffi::OsStr::new("-D warnings"))],
     )?;
-    cargo_step("tests", &["test", "--workspace"])?;
-    // Independent of each other from here (private nats-servers, databases of their own), so
-    // side by side: the two test passes, and the chaos runs on binaries built now.
+    // Everything built once, up front; then the chaos runs (private nats-servers, databases of
+    // their own) side by side with the test passes.
+    cargo_step(
+        "building the tests",
+        &["test", "--workspace", "--no-run", "--quiet"],
+    )?;
     let credit = build_credit(false)?;
     let email = build_example("email", false)?;
     // Installed once here, not by the two sides at once.
@@ -131,6 +135,12 @@ async fn everything() -> Result<(), String> {
     };
     // cargo holds its build lock while it builds, not while tests run: with nothing left to
     // build, the two test passes run side by side too.
+    let machine = async {
+        let started = std::time::Instant::now();
+        blocking(|| cargo_step("tests", &["test", "--workspace"])).await?;
+        eprintln!("xtask: test pass passed in {:?}", started.elapsed());
+        Ok::<(), String>(())
+    };
     let batched = async {
         let started = std::time::Instant::now();
         blocking(|| batched_tests(&["test", "-p", "inbox-tests"])).await?;
@@ -140,15 +150,18 @@ async fn everything() -> Result<(), String> {
     let current = async {
         let started = std::time::Instant::now();
         // The same build (the same packages, so no rebuild): the behaviour tests are what talks
-        // to NATS; the unit tests that run again with them are quick.
-        on_current_nats(&["test", "--workspace"]).await?;
+        // to NATS; the unit tests that run again with them are quick. Not the macro's UI tests:
+        // no server is involved, and trybuild's compiles are the heaviest part of a pass.
+        on_current_nats(&["test", "--workspace", "--exclude", "inbox-ui-tests"]).await?;
         eprintln!(
             "xtask: current-nats test pass passed in {:?}",
             started.elapsed()
         );
         Ok::<(), String>(())
     };
+    // The machine's pass first, beside the chaos runs; then the other two side by side.
     let tests = async {
+        machine.await?;
         let (batched, current) = tokio::join!(batched, current);
         batched.and(current)
     };
