@@ -568,9 +568,9 @@ pub(crate) mod sealed {
             secs: f64,
         ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
-        /// Runs `sql` binding (`secs`, `n`) on `pool`.
+        /// Runs `sql` binding (`secs`, `n`) on `conn`.
         fn execute_secs_n<'a>(
-            pool: &'a Pool<Self>,
+            conn: &'a mut Self::Connection,
             sql: SqlStr,
             secs: f64,
             n: i64,
@@ -783,7 +783,7 @@ pub(crate) mod sealed {
         }
 
         async fn execute_secs_n(
-            pool: &Pool<DB>,
+            conn: &mut DB::Connection,
             sql: SqlStr,
             secs: f64,
             n: i64,
@@ -791,7 +791,7 @@ pub(crate) mod sealed {
             sqlx::query::<DB>(sql)
                 .bind(secs)
                 .bind(n)
-                .execute(pool)
+                .execute(conn)
                 .await
         }
 

@@ -471,8 +471,10 @@ impl<DB: InboxBackend> Relay<DB> {
         let secs = self.retention.as_secs_f64();
         let sql = self.outbox.statements().cleanup.clone();
         let mut deleted = 0;
+        // On the lock's connection: the relay holds one connection at a time, as the pool split
+        // counted it.
         loop {
-            match DB::execute_secs_n(pool, sql.clone(), secs, CLEANUP_BATCH).await {
+            match DB::execute_secs_n(conn.conn(), sql.clone(), secs, CLEANUP_BATCH).await {
                 Ok(done) if DB::rows_affected(&done) == 0 => break,
                 Ok(done) => deleted += DB::rows_affected(&done),
                 Err(e) => {

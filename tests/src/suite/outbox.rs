@@ -11,6 +11,7 @@
 //! - two relays on one database, one holding its batch while the other runs: every row is
 //!   published once (no PubAck ever says "duplicate"), and each order key's rows are stored in
 //!   their order;
+//! - sent rows go once older than the retention, and a row never sent stays;
 //! - the relay refuses a stream whose duplicate window is not shorter than its retention, and
 //!   (on servers that have it) one with `persist_mode: async`.
 
@@ -458,6 +459,47 @@ async fn relay_refuses_streams_it_cannot_relay_to_safely<B: TestBackend>() {
     }
 }
 
+/// The test.
+async fn cleanup_deletes_sent_rows_after_the_retention<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create_with(&nats.js, |c| stream::Config {
+        duplicate_window: Duration::from_secs(1),
+        ..c
+    })
+    .await;
+    // No stream takes this one: it stays pending, and cleanup must leave it.
+    let nowhere = format!("nowhere.{}", unique("s").to_lowercase());
+    commit(
+        &outbox,
+        [
+            OutboxMessage::new(&*events.subject, b"a".to_vec()),
+            OutboxMessage::new(&*events.subject, b"b".to_vec()),
+            OutboxMessage::new(&*nowhere, b"c".to_vec()),
+        ],
+    )
+    .await;
+    let relay = Relay::new(outbox.clone())
+        .retention(Duration::from_secs(2))
+        .poll_interval(Duration::from_millis(200));
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("the sent rows to be deleted", DEADLINE, || async {
+        B::count(&db, "SELECT count(*) FROM outbox").await == 1
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.unwrap();
+    assert_eq!((stats.published, stats.marked), (2, 2), "{stats:?}");
+    assert_eq!(
+        outbox.pending().await.unwrap().0,
+        1,
+        "the unsent row is kept"
+    );
+    assert_eq!(events.count().await, 2);
+}
+
 /// Whether nats-server `version` ("2.12.0", "v2.15.1-beta") is at least `(major, minor)`.
 fn at_least(version: &str, wanted: (u64, u64)) -> bool {
     let mut parts = version
@@ -477,4 +519,5 @@ super::behaviours!(
     relay_stopped_before_marking_sent_is_republished_once,
     two_relays_publish_each_row_once_in_key_order,
     relay_refuses_streams_it_cannot_relay_to_safely,
+    cleanup_deletes_sent_rows_after_the_retention,
 );
