@@ -1408,60 +1408,55 @@ async fn observe(
 /// The stream of `credit`'s announcements in a chaos run.
 const EVENTS_STREAM: &str = "CHAOS_EVENTS";
 
-/// Every event of [`EVENTS_STREAM`], read one by one: (id, account), or why it does not
-/// parse. Fails unless all were read.
+/// Every event of [`EVENTS_STREAM`]: (id, account), or why it does not parse. Fails unless all
+/// were read.
 async fn events(js: &jetstream::Context) -> Result<Vec<Result<(String, i64), String>>, String> {
-    let what = |e: &dyn std::fmt::Display| format!("events stream {EVENTS_STREAM}: {e}");
-    let mut stream = js.get_stream(EVENTS_STREAM).await.map_err(|e| what(&e))?;
-    let state = stream.info().await.map_err(|e| what(&e))?.state.clone();
-    let mut events = Vec::new();
-    if state.messages > 0 {
-        for seq in state.first_sequence..=state.last_sequence {
-            match stream.get_raw_message(seq).await {
-                Ok(m) => events.push(
-                    serde_json::from_slice::<serde_json::Value>(&m.payload)
-                        .ok()
-                        .and_then(|v| Some((v["id"].as_str()?.to_owned(), v["account"].as_i64()?)))
-                        .ok_or_else(|| format!("event #{seq} does not parse")),
-                ),
-                Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
-                Err(e) => return Err(what(&format!("message {seq}: {e}"))),
-            }
-        }
-    }
-    if events.len() as u64 != state.messages {
-        return Err(what(&format!(
-            "read {} events, the stream holds {}",
-            events.len(),
-            state.messages
-        )));
-    }
-    Ok(events)
+    let messages = stored(js, EVENTS_STREAM, "events stream").await?;
+    Ok(messages
+        .into_iter()
+        .map(|m| {
+            serde_json::from_slice::<serde_json::Value>(&m.payload)
+                .ok()
+                .and_then(|v| Some((v["id"].as_str()?.to_owned(), v["account"].as_i64()?)))
+                .ok_or_else(|| format!("event #{} does not parse", m.sequence))
+        })
+        .collect())
 }
 
 /// Every message of the dead-letter stream, read one by one; fails unless all were read.
 async fn letters(js: &jetstream::Context) -> Result<Vec<Letter>, String> {
-    let what = |e: &dyn std::fmt::Display| format!("dead-letter stream {DLQ_STREAM}: {e}");
-    let mut dlq = js.get_stream(DLQ_STREAM).await.map_err(|e| what(&e))?;
-    let state = dlq.info().await.map_err(|e| what(&e))?.state.clone();
-    let mut letters = Vec::new();
+    let messages = stored(js, DLQ_STREAM, "dead-letter stream").await?;
+    Ok(messages.into_iter().map(Letter::from).collect())
+}
+
+/// Every message `stream` holds, read one by one; fails unless all were read. `what` names the
+/// stream in errors.
+async fn stored(
+    js: &jetstream::Context,
+    stream: &str,
+    what: &str,
+) -> Result<Vec<StreamMessage>, String> {
+    let what = |e: &dyn std::fmt::Display| format!("{what} {stream}: {e}");
+    let mut handle = js.get_stream(stream).await.map_err(|e| what(&e))?;
+    let state = handle.info().await.map_err(|e| what(&e))?.state.clone();
+    let mut messages = Vec::new();
     if state.messages > 0 {
         for seq in state.first_sequence..=state.last_sequence {
-            match dlq.get_raw_message(seq).await {
-                Ok(m) => letters.push(Letter::from(m)),
+            match handle.get_raw_message(seq).await {
+                Ok(m) => messages.push(m),
                 Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
                 Err(e) => return Err(what(&format!("message {seq}: {e}"))),
             }
         }
     }
-    if letters.len() as u64 != state.messages {
+    if messages.len() as u64 != state.messages {
         return Err(what(&format!(
-            "read {} letters, the stream holds {}",
-            letters.len(),
+            "read {} messages, the stream holds {}",
+            messages.len(),
             state.messages
         )));
     }
-    Ok(letters)
+    Ok(messages)
 }
 
 /// How many letters the dead-letter stream holds, for following the run's progress.
