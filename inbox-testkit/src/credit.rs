@@ -146,22 +146,26 @@ impl CreditConfig {
     pub fn events_subject(&self) -> String {
         format!("events.{}", self.subject)
     }
+
+    /// The environment `credit` runs with: add to it for what this config does not say.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("NATS_URL", self.nats_url.clone()),
+            ("DATABASE_URL", self.database_url.clone()),
+            ("CREDIT_STREAM", self.stream.clone()),
+            ("CREDIT_SUBJECT", self.subject.clone()),
+            ("CREDIT_CONSUMER", self.consumer.clone()),
+            ("CREDIT_EVENTS_STREAM", self.events_stream()),
+            ("CREDIT_EVENTS_SUBJECT", self.events_subject()),
+            ("RUST_LOG", self.rust_log.clone()),
+        ]
+    }
 }
 
 impl CreditProcess {
     /// Starts `credit` as `config` says, its log appended to `log` (discarded when `None`).
     pub fn spawn(config: &CreditConfig, log: Option<&Path>) -> Result<CreditProcess, String> {
-        let env = [
-            ("NATS_URL", config.nats_url.clone()),
-            ("DATABASE_URL", config.database_url.clone()),
-            ("CREDIT_STREAM", config.stream.clone()),
-            ("CREDIT_SUBJECT", config.subject.clone()),
-            ("CREDIT_CONSUMER", config.consumer.clone()),
-            ("CREDIT_EVENTS_STREAM", config.events_stream()),
-            ("CREDIT_EVENTS_SUBJECT", config.events_subject()),
-            ("RUST_LOG", config.rust_log.clone()),
-        ];
-        Self::spawn_with("credit", &config.binary, &env, log)
+        Self::spawn_with("credit", &config.binary, &config.env(), log)
     }
 
     /// Starts `binary` (the example `name`) with `env`, its log appended to `log`.

@@ -134,21 +134,50 @@ async fn commit<DB: inbox_runtime::InboxBackend>(
     ids
 }
 
+/// A database with the inbox and the outbox, a stream of requests, a stream of events, and a
+/// worker of the `announce` handler on consumer `c` (not started).
+struct Announcing<B: TestBackend> {
+    db: crate::backends::TestDb<B::Db>,
+    outbox: Outbox<B::Db>,
+    nats: NatsStream,
+    events: Events,
+    worker: inbox_runtime::Worker<B::Announce>,
+}
+
+impl<B: TestBackend> Announcing<B> {
+    async fn set_up() -> Self {
+        let (db, inbox) = setup::<B>(4).await;
+        let outbox = outbox(db.pool.clone()).await;
+        let nats = NatsStream::create().await;
+        let events = Events::create(&nats.js).await;
+        let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+        let announcer = Announcer {
+            outbox: outbox.clone(),
+            subject: events.subject.clone(),
+        };
+        let worker = nats
+            .worker(inbox, consumer)
+            .build_with_state(B::Announce::default(), announcer)
+            .unwrap();
+        Announcing {
+            db,
+            outbox,
+            nats,
+            events,
+            worker,
+        }
+    }
+}
+
 /// The test.
 async fn handler_that_fails_after_publishing_publishes_nothing<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let announcer = Announcer {
-        outbox: outbox.clone(),
-        subject: events.subject.clone(),
-    };
-    let worker = nats
-        .worker(inbox, consumer)
-        .build_with_state(B::Announce::default(), announcer)
-        .unwrap();
+    let Announcing {
+        db,
+        outbox,
+        nats,
+        events,
+        worker,
+    } = Announcing::<B>::set_up().await;
     let (relay, relaying) = run(Relay::new(outbox.clone()), &nats.js);
     let running = Running::start(&worker);
     // An overdraw: the handler fails permanently after its publish, and the message is
@@ -194,19 +223,13 @@ async fn handler_that_fails_after_publishing_publishes_nothing<B: TestBackend>()
 
 /// The test.
 async fn commit_wakes_the_relay<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let announcer = Announcer {
-        outbox: outbox.clone(),
-        subject: events.subject.clone(),
-    };
-    let worker = nats
-        .worker(inbox, consumer)
-        .build_with_state(B::Announce::default(), announcer)
-        .unwrap();
+    let Announcing {
+        db,
+        outbox,
+        nats,
+        events,
+        worker,
+    } = Announcing::<B>::set_up().await;
     // Its first poll is at start, and sends the row committed before; the next poll would be in
     // an hour.
     commit(

@@ -201,17 +201,8 @@ async fn supervise(
     published: &super::Published,
 ) -> Result<(Vec<Kill>, u64), String> {
     let env = || {
-        let env = vec![
-            ("NATS_URL", config.nats_url.clone()),
-            ("DATABASE_URL", config.database_url.clone()),
-            ("CREDIT_STREAM", config.stream.clone()),
-            ("CREDIT_SUBJECT", config.subject.clone()),
-            ("CREDIT_CONSUMER", config.consumer.clone()),
-            ("CREDIT_EVENTS_STREAM", config.events_stream()),
-            ("CREDIT_EVENTS_SUBJECT", config.events_subject()),
-            ("RUST_LOG", config.rust_log.clone()),
-            ("CREDIT_CONCURRENCY", CONCURRENCY.into()),
-        ];
+        let mut env = config.env();
+        env.push(("CREDIT_CONCURRENCY", CONCURRENCY.into()));
         env
     };
     let children: Vec<CreditProcess> = (0..INSTANCES)
