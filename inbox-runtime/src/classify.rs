@@ -2,8 +2,7 @@
 //! stream. Users mark their own errors with [`Permanent`] or [`Transient`].
 
 use crate::backend::{InboxBackend, is_transient};
-use crate::handler::BoxError;
-use crate::store::ProcessError;
+use crate::error::{BoxError, ProcessError, chain};
 use sqlx::error::ErrorKind;
 use std::fmt;
 
@@ -91,15 +90,13 @@ pub(crate) fn is_outage<DB: InboxBackend>(err: &ProcessError) -> bool {
     match err {
         ProcessError::Database { source, .. } => is_connection_error::<DB>(source),
         ProcessError::Handler(e) => {
-            let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
-            while let Some(e) = next {
+            for e in chain(e.as_ref()) {
                 if let Some(sqlx_err) = e.downcast_ref::<sqlx::Error>() {
                     return is_connection_error::<DB>(sqlx_err);
                 }
                 if let Some(db) = database_error::<DB>(e) {
                     return DB::is_connection_error(db);
                 }
-                next = e.source();
             }
             false
         }
@@ -121,8 +118,7 @@ fn is_connection_error<DB: InboxBackend>(err: &sqlx::Error) -> bool {
 fn classify_handler_error<DB: InboxBackend>(
     err: &(dyn std::error::Error + Send + Sync + 'static),
 ) -> ErrorClass {
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(err);
-    while let Some(e) = next {
+    for e in chain(err) {
         if e.is::<Permanent>() {
             return ErrorClass::Permanent;
         }
@@ -153,7 +149,6 @@ fn classify_handler_error<DB: InboxBackend>(
                 return ErrorClass::Transient;
             }
         }
-        next = e.source();
     }
     ErrorClass::Unknown
 }
@@ -181,7 +176,7 @@ fn is_integrity_or_data<DB: InboxBackend>(db: &dyn sqlx::error::DatabaseError) -
 #[cfg(all(test, feature = "postgres"))]
 mod tests {
     use super::*;
-    use crate::store::Stage;
+    use crate::error::Stage;
 
     #[test]
     fn an_unreachable_database_is_an_outage_and_a_deadlock_is_not() {

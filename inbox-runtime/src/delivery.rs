@@ -1,7 +1,7 @@
 //! What a handler may know of a message besides its payload: [`Delivery`] (headers, subject,
 //! stream sequence, delivery count, publish time), and how the payload is decoded: [`Codec`].
 
-use crate::handler::BoxError;
+use crate::error::BoxError;
 use async_nats::HeaderMap;
 use async_nats::jetstream::message::{Info, Message};
 use bytes::Bytes;

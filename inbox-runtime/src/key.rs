@@ -145,18 +145,3 @@ impl<T: ToMessageKey> KeyOf for Option<T> {
         }
     }
 }
-
-/// The message's key: the handler's `key` expression, else the transport id; validated.
-pub(crate) fn message_key<H: crate::Handler>(
-    handler: &H,
-    state: &H::State,
-    message: &H::Message,
-    delivery: &crate::Delivery,
-) -> Result<String, KeyError> {
-    let key = match handler.key(message, delivery, state)? {
-        Some(k) => k,
-        None => delivery.msg_id().ok_or(KeyError::Missing)?.to_owned(),
-    };
-    validate_key(&key)?;
-    Ok(key)
-}

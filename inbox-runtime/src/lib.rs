@@ -6,31 +6,35 @@ compile_error!(
     "inbox-runtime needs a database: enable at least one of its features `postgres`, `mysql`, `sqlite`"
 );
 
+// The layers, lowest first (ARCHITECTURE.md, "Layers"; `tests/layers.rs` fails on an import
+// that goes up a layer or closes a circle): core (`error`, `key`, `backoff`, `metrics`, `layout`,
+// `wake`, `periodic`), backend (`backend`), the handler contract (`delivery`, `handler`,
+// `claim`), the store (`store`, `classify`), worker and outbox (`worker`, `outbox`), app (`app`).
 mod app;
 mod backend;
 mod backoff;
-mod batch;
 mod claim;
 mod classify;
-mod cleanup;
 mod delivery;
+mod error;
 mod handler;
 mod key;
+mod layout;
 pub mod metrics;
 mod outbox;
-mod partition;
+mod periodic;
 mod store;
+mod wake;
 mod worker;
 
 pub use app::{App, AppError, AppStats, Durable, Health, HealthReport, recommended_consumer};
 #[cfg(feature = "sqlite")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub use backend::sqlite_options;
-pub use backend::{InboxBackend, InvalidTableName, TableName, is_transient};
+pub use backend::{DEFAULT_LOCK_TIMEOUT, InboxBackend, InvalidTableName, TableName, is_transient};
 pub use backoff::Backoff;
 pub use claim::{Claim, DEFAULT_LEASE, OpenClaim, idempotency_key};
 pub use classify::{ErrorClass, Permanent, Transient, classify};
-pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
 #[cfg(feature = "cbor")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cbor")))]
 pub use delivery::Cbor;
@@ -38,13 +42,18 @@ pub use delivery::Cbor;
 #[cfg_attr(docsrs, doc(cfg(feature = "msgpack")))]
 pub use delivery::MsgPack;
 pub use delivery::{Codec, Delivery, Json, Raw, TraceParent};
-pub use handler::{BoxError, Handler, Outcome};
+pub use error::{BoxError, ProcessError, Stage};
+pub use handler::{Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
+pub use layout::Partitions;
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub use outbox::Hook as RelayHook;
 pub use outbox::{
     DEFAULT_RETENTION as DEFAULT_OUTBOX_RETENTION, InvalidMessage, Outbox, OutboxMessage, Relay,
     RelayError, RelayStats,
 };
-pub use partition::Partitions;
+pub use store::{CleanupError, Inbox, RetentionFloor, retention_floor};
 
 /// The `sqlx` this crate is built with: name its types (`inbox_runtime::sqlx::PgPool`) without
 /// a dependency of your own at exactly this version.
@@ -52,7 +61,6 @@ pub use sqlx;
 
 /// The `async_nats` this crate is built with, for the same reason.
 pub use async_nats;
-pub use store::{DEFAULT_LOCK_TIMEOUT, Inbox, ProcessError, Stage};
 pub use worker::{
     AckMode, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, NoState, Stats, Worker,
     WorkerBuilder, WorkerError, process_delivery, transport_id,
@@ -84,7 +92,9 @@ pub use worker::{
 /// - `key` (optional): an expression over the arguments, evaluated on borrows of them before the
 ///   body runs; its value converts through [`ToMessageKey`] (strings, integers, `Uuid`). Without
 ///   it the transport id is the key: `Nats-Msg-Id` (unless empty), else
-///   `"{stream}:{stream_sequence}"`.
+///   `"{stream}:{created}:{stream_sequence}"` through a worker, where `created` is the stream's
+///   creation time in Unix nanoseconds (see [`transport_id`]); [`Inbox::process`], which has
+///   no stream to ask, takes `Nats-Msg-Id` alone.
 ///
 /// - `claim` (optional): a two-phase handler, for side effects outside the database (an e-mail,
 ///   a card charge, an HTTP call): it takes `claim: &mut Claim<DB>` in place of the transaction.
@@ -108,7 +118,8 @@ pub use sqlx::Transaction;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::claim::Claim;
-    pub use crate::handler::{BoxError, Handler, HandlerResult, ReturnsUnit};
+    pub use crate::error::BoxError;
+    pub use crate::handler::{Handler, HandlerResult, ReturnsUnit};
     pub use sqlx::Transaction;
 
     pub use crate::delivery::{Delivery, Json};

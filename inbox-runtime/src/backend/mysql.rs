@@ -10,8 +10,8 @@
 //! TRANSACTION`.
 
 use super::TableName;
-use super::sealed::{Backend, Claim};
-use crate::partition::Layout;
+use super::{Backend, Claimed};
+use crate::layout::Layout;
 use sqlx::{AssertSqlSafe, MySql, SqlSafeStr, SqlStr, Transaction};
 use std::time::Duration;
 
@@ -36,21 +36,6 @@ impl Backend for MySql {
         AssertSqlSafe(format!(
             "INSERT INTO {table} (consumer, message_key) VALUES (?, ?) \
              ON DUPLICATE KEY UPDATE dup_count = dup_count + 1"
-        ))
-        .into_sql_str()
-    }
-
-    fn finish_sql(table: &TableName) -> SqlStr {
-        AssertSqlSafe(format!(
-            "UPDATE {table} SET processed_at = CURRENT_TIMESTAMP(6) WHERE id = ?"
-        ))
-        .into_sql_str()
-    }
-
-    fn done_sql(table: &TableName) -> SqlStr {
-        AssertSqlSafe(format!(
-            "SELECT id FROM {table} WHERE consumer = ? AND message_key = ? \
-             AND processed_at IS NOT NULL"
         ))
         .into_sql_str()
     }
@@ -155,7 +140,7 @@ impl Backend for MySql {
         sql: SqlStr,
         consumer: &'a str,
         key: &'a str,
-    ) -> Result<Claim, sqlx::Error> {
+    ) -> Result<Claimed, sqlx::Error> {
         let done = sqlx::query(sql)
             .bind(consumer)
             .bind(key)
@@ -163,8 +148,8 @@ impl Backend for MySql {
             .await?;
         match done.rows_affected() {
             // A new row always has an AUTO_INCREMENT id; 0 would mark the wrong row processed.
-            1 if done.last_insert_id() > 0 => Ok(Claim::New(done.last_insert_id() as i64)),
-            2 => Ok(Claim::Duplicate),
+            1 if done.last_insert_id() > 0 => Ok(Claimed::New(done.last_insert_id() as i64)),
+            2 => Ok(Claimed::Duplicate),
             n => Err(sqlx::Error::Protocol(format!(
                 "the inbox claim affected {n} rows (insert id {}); expected 1 (new) or 2 (duplicate)",
                 done.last_insert_id()

@@ -4,8 +4,8 @@
 //! RETURNING id` (the default claim). Use WAL and a busy timeout (see [`sqlite_options`](crate::sqlite_options)).
 
 use super::TableName;
-use super::sealed::{Backend, Claim};
-use crate::partition::Layout;
+use super::{Backend, Claimed, KeyId, RelayTurns};
+use crate::layout::Layout;
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr, Sqlite, Transaction};
 use std::time::Duration;
 
@@ -33,7 +33,7 @@ impl Backend for Sqlite {
         _claim: SqlStr,
         consumer: &'a str,
         keys: &'a [&'a str],
-    ) -> Result<Vec<Claim>, sqlx::Error> {
+    ) -> Result<Vec<Claimed>, sqlx::Error> {
         // One statement per 400 keys (well within SQLite's bind limit), rows in the order given.
         let mut claims = Vec::with_capacity(keys.len());
         for chunk in keys.chunks(400) {
@@ -45,7 +45,7 @@ impl Backend for Sqlite {
                  ON CONFLICT (consumer, message_key) DO NOTHING RETURNING message_key, id",
                 rows.join(", ")
             ));
-            let mut query = sqlx::query_as::<_, (String, i64)>(sql).bind(consumer);
+            let mut query = sqlx::query_as::<_, KeyId>(sql).bind(consumer);
             for key in chunk {
                 query = query.bind(*key);
             }
@@ -59,21 +59,6 @@ impl Backend for Sqlite {
         AssertSqlSafe(format!(
             "INSERT INTO {table} (consumer, message_key) VALUES (?1, ?2) \
              ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id"
-        ))
-        .into_sql_str()
-    }
-
-    fn finish_sql(table: &TableName) -> SqlStr {
-        AssertSqlSafe(format!(
-            "UPDATE {table} SET processed_at = {NOW} WHERE id = ?1"
-        ))
-        .into_sql_str()
-    }
-
-    fn done_sql(table: &TableName) -> SqlStr {
-        AssertSqlSafe(format!(
-            "SELECT id FROM {table} WHERE consumer = ?1 AND message_key = ?2 \
-             AND processed_at IS NOT NULL"
         ))
         .into_sql_str()
     }
@@ -120,6 +105,7 @@ impl Backend for Sqlite {
 
     // BEGIN IMMEDIATE holds the write lock; relays take turns by the lease in `<table>_relay`.
     const SKIP_LOCKED: &'static str = "";
+    const RELAY_TURNS: RelayTurns = RelayTurns::Lease;
 
     fn outbox_migration_sql(table: &TableName) -> Vec<String> {
         vec![

@@ -7,11 +7,13 @@
 //! original is termed), and [`relay_parked`] publishes it once the stream takes it.
 
 use crate::backend::InboxBackend;
+use crate::error::{ProcessError, chain};
 use crate::store::Inbox;
 use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::{self, message::Message, stream};
 use bytes::Bytes;
+use sqlx::error::ErrorKind;
 use tokio::sync::OnceCell;
 
 /// The default dead-letter stream.
@@ -142,11 +144,12 @@ pub(crate) async fn relay_parked<DB: InboxBackend>(
     consumer: &str,
 ) -> Result<usize, async_nats::Error> {
     let mut sent = 0;
-    for (id, headers, payload) in inbox.parked_letters(consumer).await? {
+    for letter in inbox.parked_letters(consumer).await? {
+        let id = letter.id;
         // One letter the stream refuses (too large for its max_msg_size, say) must not hold up
         // the others: it stays parked, and is tried again next time.
         match letters
-            .send(js, header_map(&headers), Bytes::from(payload))
+            .send(js, header_map(&letter.headers), Bytes::from(letter.payload))
             .await
         {
             Ok(()) => {
@@ -265,6 +268,43 @@ fn one_line(text: &str, max: usize) -> String {
         out.push(c);
     }
     out
+}
+
+/// What a dead letter says of `err`: our own words. A database's message can hold the row's
+/// values (MySQL: `Duplicate entry '7' for key ..`, `Incorrect integer value: 'x'`), which belong
+/// in the operator's logs, not in a letter that travels on: of a database error the letter names
+/// the kind, the SQLSTATE and the constraint or table.
+pub(crate) fn letter_text(err: &ProcessError) -> String {
+    let db = match err {
+        ProcessError::Database { source, .. } => source.as_database_error(),
+        ProcessError::Handler(e) => chain(e.as_ref()).find_map(|e| {
+            e.downcast_ref::<sqlx::Error>()
+                .and_then(|e| e.as_database_error())
+        }),
+        _ => None,
+    };
+    let Some(db) = db else {
+        return err.to_string();
+    };
+    let kind = match db.kind() {
+        ErrorKind::UniqueViolation => "unique violation",
+        ErrorKind::ForeignKeyViolation => "foreign key violation",
+        ErrorKind::NotNullViolation => "not-null violation",
+        ErrorKind::CheckViolation => "check violation",
+        _ => "error",
+    };
+    let code = db.code().map(|c| format!(" {c}")).unwrap_or_default();
+    let on = match (db.constraint(), db.table()) {
+        (Some(c), _) => format!(" on constraint {c}"),
+        (None, Some(t)) => format!(" on table {t}"),
+        (None, None) => String::new(),
+    };
+    match err {
+        ProcessError::Database { stage, .. } => {
+            format!("inbox database {kind}{code}{on} while {stage}")
+        }
+        _ => format!("handler failed: database {kind}{code}{on}"),
+    }
 }
 
 #[cfg(test)]

@@ -1,29 +1,39 @@
 //! The JetStream adapter: a durable pull consumer whose messages go through the inbox, and whose
 //! acks follow the verdict. The database decides; JetStream only hears the verdict.
 //!
-//! One concept per file: `builder` (options and the start-time check), `pull` (permits, pull
-//! requests, shutdown), `delivery` (one message: decode, key, process, retries, progress acks,
-//! carrying out the verdict), `verdict` (the pure decision), `dead_letter` (the dead-letter
-//! stream), `circuit` (pulling paused while the database is unreachable). This file holds the
-//! [`Worker`] handle, its counters and `run_until`.
+//! One concept per file: `builder` (the options), `check` (the pure start-time check of the
+//! consumer), `names` (which handler has which consumer name in this process), `error` (why a
+//! consumer cannot be served), `pull` (permits, pull requests, shutdown), `serve` (one message:
+//! decode, key, process, retries, progress acks, carrying out the verdict), `serve_batch` (a
+//! batch of messages in one transaction), `verdict` (the pure decision), `dead_letter` (the
+//! dead-letter stream and what a letter says), `circuit` (pulling paused while the database is
+//! unreachable), `upkeep` (the background tasks: cleanup, partitions, the sweep of open claims,
+//! parked letters). This file holds the [`Worker`] handle, its counters and `run_until`.
 
-mod batched;
 mod builder;
+mod check;
 mod circuit;
 mod dead_letter;
-mod delivery;
+mod error;
+mod names;
 mod pull;
+mod serve;
+mod serve_batch;
+mod transport_id;
+mod upkeep;
 mod verdict;
 
-pub use builder::{AckMode, DEFAULT_DEADLINE, NoState, WorkerBuilder, WorkerError};
+pub use builder::{AckMode, NoState, WorkerBuilder};
+pub use check::DEFAULT_DEADLINE;
 pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
-pub use delivery::{process_delivery, transport_id};
+pub use error::WorkerError;
+pub use serve::process_delivery;
+pub use transport_id::transport_id;
 
-use crate::cleanup;
 use crate::handler::Handler;
 use crate::store::Inbox;
 use async_nats::jetstream::consumer::PullConsumer;
-use builder::Settings;
+use check::Settings;
 use dead_letter::DeadLetters;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -106,7 +116,7 @@ struct Inner<H: Handler> {
     settings: Settings,
     counters: Counters,
     dead_letters: DeadLetters,
-    stream_created: delivery::StreamCreated,
+    stream_created: transport_id::StreamCreated,
     circuit: circuit::Circuit,
     /// Batched workers: one permit per database connection the worker may use, taken by each
     /// batch and each message of a batch served alone, so that a worker never holds more
@@ -142,7 +152,7 @@ impl<H: Handler> Worker<H> {
                 state,
                 counters: Counters::default(),
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER, source),
-                stream_created: delivery::StreamCreated::default(),
+                stream_created: transport_id::StreamCreated::default(),
                 circuit: circuit::Circuit::default(),
                 connections: Arc::new(tokio::sync::Semaphore::new(settings.connections)),
                 metrics: std::sync::OnceLock::new(),
@@ -203,7 +213,7 @@ where
             let inbox = self.inner.inbox.clone();
             let progress = (self.inner.consumer.clone(), stream.clone());
             let stop = shutdown.clone();
-            tasks.spawn(cleanup::run_periodically(
+            tasks.spawn(upkeep::clean_up(
                 inbox,
                 H::CONSUMER,
                 progress,
@@ -213,13 +223,12 @@ where
         }
         if let Some(partitions) = self.inner.inbox.partitions() {
             let inbox = self.inner.inbox.clone();
-            tasks.spawn(crate::partition::run_upkeep(
-                inbox,
-                partitions,
-                shutdown.clone(),
-            ));
+            tasks.spawn(upkeep::add_partitions(inbox, partitions, shutdown.clone()));
         }
-        tasks.spawn(relay_parked_letters(self.inner.clone(), shutdown.clone()));
+        tasks.spawn(upkeep::relay_parked_letters(
+            self.inner.clone(),
+            shutdown.clone(),
+        ));
         {
             let inner = self.inner.clone();
             let stop = shutdown.clone();
@@ -236,7 +245,7 @@ where
             });
         }
         if let Some(sweep) = self.inner.settings.sweep {
-            tasks.spawn(sweep_open_claims(
+            tasks.spawn(upkeep::sweep_open_claims(
                 self.inner.clone(),
                 sweep,
                 shutdown.clone(),
@@ -251,75 +260,5 @@ where
         let stats = self.stats();
         tracing::info!(consumer = H::CONSUMER, ?stats, "inbox worker stopped");
         stats
-    }
-}
-
-/// Reports the claims of a two-phase handler left open past the threshold, every period, until
-/// `shutdown`: a warning each, and their number in [`Stats::open_claims`].
-async fn sweep_open_claims<H: Handler>(
-    inner: Arc<Inner<H>>,
-    sweep: builder::Sweep,
-    shutdown: CancellationToken,
-) {
-    let mut ticks = tokio::time::interval(sweep.every);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = ticks.tick() => {}
-        }
-        match inner.inbox.open_claims(H::CONSUMER, sweep.older_than).await {
-            Ok(open) => {
-                for claim in &open {
-                    tracing::warn!(
-                        consumer = H::CONSUMER,
-                        key = %claim.key,
-                        age = ?claim.age,
-                        fence = claim.fence,
-                        attempts = claim.attempts,
-                        lease_left = ?claim.lease_left,
-                        "claim open longer than {:?}: its side effect may not have happened; release or forget it (Inbox::release_claim, Inbox::forget_claim) once its owner is known to be gone",
-                        sweep.older_than
-                    );
-                }
-                inner
-                    .counters
-                    .open_claims
-                    .store(open.len() as u64, Ordering::Relaxed);
-                let oldest = open.iter().map(|c| c.age).max().unwrap_or_default();
-                crate::metrics::open_claims(H::CONSUMER, open.len(), oldest);
-            }
-            Err(e) => {
-                tracing::debug!(consumer = H::CONSUMER, error = %e, "listing open claims failed")
-            }
-        }
-    }
-}
-
-/// How often parked dead letters are retried.
-const RELAY_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// Publishes the dead letters parked in the database for this handler's consumer (see
-/// `dead_letter.rs`) every few seconds, until `shutdown`.
-async fn relay_parked_letters<H: Handler>(inner: Arc<Inner<H>>, shutdown: CancellationToken) {
-    let mut ticks = tokio::time::interval(RELAY_EVERY);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = ticks.tick() => {}
-        }
-        let js = &inner.jetstream;
-        let relayed =
-            dead_letter::relay_parked(&inner.inbox, &inner.dead_letters, js, H::CONSUMER).await;
-        match relayed {
-            Ok(0) => {}
-            Ok(n) => tracing::info!(
-                consumer = H::CONSUMER,
-                letters = n,
-                "parked dead letters published"
-            ),
-            Err(e) => {
-                tracing::debug!(consumer = H::CONSUMER, error = %e, "parked dead letters not published yet")
-            }
-        }
     }
 }

@@ -13,7 +13,7 @@
 //! with their `ack_wait` running.
 
 use super::Inner;
-use super::batched::Waiting;
+use super::serve_batch::Waiting;
 use crate::backoff::Backoff;
 use crate::handler::Handler;
 use async_nats::StatusCode;

@@ -1,61 +1,13 @@
 //! The verdict: what JetStream hears about one delivery, decided by pure functions of the
 //! processing result, the error class, the delivery count and the consumer's limits. This file is
-//! the README's table "What JetStream hears"; it does no I/O (`delivery.rs` carries it out).
+//! the README's table "What JetStream hears"; it does no I/O (`serve.rs` carries it out).
 
+use super::dead_letter::letter_text;
 use crate::backoff::Backoff;
 use crate::classify::ErrorClass;
+use crate::error::ProcessError;
 use crate::handler::Outcome;
-use crate::store::ProcessError;
-use sqlx::error::ErrorKind;
 use std::time::Duration;
-
-/// What a dead letter says of `err`: our own words. A database's message can hold the row's
-/// values (MySQL: `Duplicate entry '7' for key ..`, `Incorrect integer value: 'x'`), which belong
-/// in the operator's logs, not in a letter that travels on: of a database error the letter names
-/// the kind, the SQLSTATE and the constraint or table.
-pub(crate) fn letter_text(err: &ProcessError) -> String {
-    let db = match err {
-        ProcessError::Database { source, .. } => source.as_database_error(),
-        ProcessError::Handler(e) => {
-            let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
-            let mut found = None;
-            while let Some(e) = next {
-                if let Some(db) = e
-                    .downcast_ref::<sqlx::Error>()
-                    .and_then(|e| e.as_database_error())
-                {
-                    found = Some(db);
-                    break;
-                }
-                next = e.source();
-            }
-            found
-        }
-        _ => None,
-    };
-    let Some(db) = db else {
-        return err.to_string();
-    };
-    let kind = match db.kind() {
-        ErrorKind::UniqueViolation => "unique violation",
-        ErrorKind::ForeignKeyViolation => "foreign key violation",
-        ErrorKind::NotNullViolation => "not-null violation",
-        ErrorKind::CheckViolation => "check violation",
-        _ => "error",
-    };
-    let code = db.code().map(|c| format!(" {c}")).unwrap_or_default();
-    let on = match (db.constraint(), db.table()) {
-        (Some(c), _) => format!(" on constraint {c}"),
-        (None, Some(t)) => format!(" on table {t}"),
-        (None, None) => String::new(),
-    };
-    match err {
-        ProcessError::Database { stage, .. } => {
-            format!("inbox database {kind}{code}{on} while {stage}")
-        }
-        _ => format!("handler failed: database {kind}{code}{on}"),
-    }
-}
 
 /// What to tell JetStream about a delivery.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -165,9 +117,9 @@ mod tests {
     //! rules; each backend's transient codes are tested against a real server in the suite).
     use super::*;
     use crate::classify::classify;
+    use crate::classify::{Permanent, Transient};
+    use crate::error::Stage;
     use crate::key::KeyError;
-    use crate::store::Stage;
-    use crate::{Permanent, Transient};
     use std::borrow::Cow;
 
     fn limits() -> Limits {

@@ -1,14 +1,10 @@
-//! The partitioned inbox (PostgreSQL, opt in): markers in range partitions of `received_at`,
-//! created ahead of time, and cleanup by dropping whole partitions past the cutoff instead of
-//! deleting rows. See ARCHITECTURE.md ("The partitioned inbox") for why a twin still waits.
-//!
-//! What is here is the layout's configuration and the Rust side of its upkeep; the SQL (the claim
-//! function, the partition functions, the drop) is PostgreSQL's (`backend/postgres.rs`).
+//! How an inbox table is laid out: one plain table, or range partitions of `received_at`
+//! (PostgreSQL, opt in). Only the configuration: the SQL is the dialect's (`backend/postgres/
+//! partitioned.rs`), the upkeep the store's (`store/partitions.rs`) and the worker's
+//! (`worker/upkeep.rs`). See ARCHITECTURE.md ("The partitioned inbox") for why a twin still
+//! waits.
 
-use crate::backend::InboxBackend;
-use crate::store::Inbox;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// How a partitioned inbox table is cut: one partition per `span` of `received_at` (aligned on
 /// the Unix epoch, so daily partitions run from UTC midnight to UTC midnight), with `ahead`
@@ -71,7 +67,7 @@ impl Partitions {
     }
 }
 
-/// The layout of an inbox table (not public API: `partition` is a private module).
+/// The layout of an inbox table (not public API: `layout` is a private module).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Layout {
     /// One table, UNIQUE (consumer, message_key); cleanup deletes rows.
@@ -79,51 +75,4 @@ pub enum Layout {
     Plain,
     /// Range partitions of `received_at`; cleanup drops partitions.
     Partitioned(Partitions),
-}
-
-impl<DB: InboxBackend> Inbox<DB> {
-    /// How the table is cut into partitions, if it is.
-    pub fn partitions(&self) -> Option<Partitions> {
-        match self.layout() {
-            Layout::Plain => None,
-            Layout::Partitioned(p) => Some(p),
-        }
-    }
-
-    /// Creates the partitions from the current one to `ahead` beyond it that do not exist yet
-    /// (nothing for an unpartitioned inbox); returns how many it created. Safe to run from
-    /// several instances at once (they take turns on a lock). [`Inbox::migrate`] runs it, and a
-    /// worker runs it periodically.
-    pub async fn add_partitions(&self) -> Result<u64, sqlx::Error> {
-        let Layout::Partitioned(partitions) = self.layout() else {
-            return Ok(0);
-        };
-        let mut conn = self.pool().acquire().await?;
-        DB::add_partitions(&mut conn, self.table(), &partitions).await
-    }
-}
-
-/// Creates partitions ahead every [`Partitions::upkeep_every`] until `shutdown`, so that a
-/// worker keeps its table ready for the markers to come whether or not it cleans up.
-pub(crate) async fn run_upkeep<DB: InboxBackend>(
-    inbox: Inbox<DB>,
-    partitions: Partitions,
-    shutdown: CancellationToken,
-) {
-    let mut ticks = tokio::time::interval(partitions.upkeep_every());
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = ticks.tick() => {}
-        }
-        match inbox.add_partitions().await {
-            Ok(0) => {}
-            Ok(n) => {
-                tracing::info!(table = %inbox.table(), created = n, "inbox partitions created")
-            }
-            Err(e) => {
-                tracing::warn!(table = %inbox.table(), error = %e, "creating inbox partitions failed")
-            }
-        }
-    }
 }

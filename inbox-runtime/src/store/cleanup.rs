@@ -1,16 +1,17 @@
 //! Retention and cleanup, together: how long a marker must be kept (longer than any redelivery
 //! of its message can come), the pass that deletes older finished markers in bounded batches one
-//! instance at a time, and the periodic task a worker runs it in. The per-database SQL and fleet
-//! lock are the backends' (`backend/*`); the rules are here.
+//! instance at a time. The per-database SQL and the fleet lock are the backends' (`backend/*`),
+//! the periodic task a worker runs it in is the worker's (`worker/upkeep.rs`); the rules are
+//! here.
 
-use crate::backend::InboxBackend;
-use crate::partition::Layout;
-use crate::store::Inbox;
+use super::Inbox;
+use crate::backend::fleet::{FleetLock, delete_in_batches};
+use crate::backend::{DeleteBatch, InboxBackend};
+use crate::layout::Layout;
 use async_nats::jetstream::consumer::{self, PullConsumer};
 use async_nats::jetstream::stream::{self, RawMessageErrorKind, Stream};
 use std::fmt;
 use std::time::Duration;
-use tokio_util::sync::CancellationToken;
 
 /// The smallest safe retention for one consumer, and the figures it is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -109,43 +110,24 @@ impl<DB: InboxBackend> Inbox<DB> {
         older_than: Duration,
         batch: u32,
     ) -> Result<Option<u64>, sqlx::Error> {
-        let lock = format!("inbox-cleanup:{}:{consumer}", self.table());
-        let mut conn = LockHolder {
-            conn: self.pool().acquire().await?,
-            locked: false,
-        };
-        // Counted as held from before the request: cancelled while the server grants it, the
-        // connection must not go back to the pool holding it.
-        conn.locked = true;
-        if !DB::try_cleanup_lock(&mut conn.conn, &lock).await? {
-            conn.locked = false;
+        let name = format!("inbox-cleanup:{}:{consumer}", self.table());
+        let Some(mut lock) = FleetLock::try_take(self.pool(), name).await? else {
             return Ok(None);
-        }
-        let (secs, limit) = (older_than.as_secs_f64(), i64::from(batch.max(1)));
-        let mut deleted = 0;
-        let result = if let Layout::Partitioned(_) = self.layout() {
-            // Whole partitions past the same cutoff: see `partition.rs`.
-            DB::drop_partitions(&mut conn.conn, self.table(), consumer, secs, limit)
-                .await
-                .map(Some)
-        } else {
-            loop {
-                let sql = self.sql.cleanup.clone();
-                match DB::cleanup_batch(&mut conn.conn, sql, consumer, secs, limit).await {
-                    Ok(done) if DB::rows_affected(&done) == 0 => break Ok(Some(deleted)),
-                    Ok(done) => deleted += DB::rows_affected(&done),
-                    Err(e) => break Err(e),
-                }
-            }
         };
-        match DB::cleanup_unlock(&mut conn.conn, &lock).await {
-            Ok(()) => conn.locked = false,
-            // Still locked: the holder closes the connection rather than pool it.
-            Err(e) => {
-                tracing::warn!(error = %e, "releasing the cleanup lock failed; closing the connection")
-            }
-        }
-        result
+        let (secs, limit) = (older_than.as_secs_f64(), i64::from(batch.max(1)));
+        let result = if let Layout::Partitioned(_) = self.layout() {
+            // Whole partitions past the same cutoff: see `backend/postgres/partitioned.rs`.
+            DB::drop_partitions(lock.conn(), self.table(), consumer, secs, limit).await
+        } else {
+            let batch = DeleteBatch {
+                consumer: Some(consumer),
+                older_than_secs: secs,
+                limit,
+            };
+            delete_in_batches::<DB>(lock.conn(), self.sql.cleanup.clone(), batch).await
+        };
+        lock.release().await;
+        result.map(Some)
     }
 }
 
@@ -228,98 +210,4 @@ async fn consumer_lag(
         .as_nanos() as i128;
     let lag = u64::try_from(now - published).unwrap_or(0);
     Ok(Duration::from_nanos(lag))
-}
-
-/// The connection a cleanup runs on. The fleet lock is a *session* lock: a connection returned
-/// to the pool while still holding it (a cleanup cancelled half-way, an unlock that failed)
-/// would keep every instance from cleaning up for as long as it lives. So a connection that may
-/// still hold the lock is closed when dropped, which makes the server release it.
-pub(crate) struct LockHolder<DB: InboxBackend> {
-    conn: sqlx::pool::PoolConnection<DB>,
-    locked: bool,
-}
-
-impl<DB: InboxBackend> LockHolder<DB> {
-    /// `conn`, counted as holding the lock from before it is asked for: cancelled while the
-    /// server grants it, the connection must not go back to the pool holding it.
-    pub(crate) fn new(conn: sqlx::pool::PoolConnection<DB>) -> Self {
-        LockHolder { conn, locked: true }
-    }
-
-    /// The connection, to take and release the lock on.
-    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
-        &mut self.conn
-    }
-
-    /// The lock is not held (refused, or released): the connection may go back to the pool.
-    pub(crate) fn unlocked(&mut self) {
-        self.locked = false;
-    }
-}
-
-impl<DB: InboxBackend> Drop for LockHolder<DB> {
-    fn drop(&mut self) {
-        if self.locked {
-            self.conn.close_on_drop();
-        }
-    }
-}
-
-/// When a worker cleans up: markers older than `retention`, every `every`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Schedule {
-    pub retention: Duration,
-    pub every: Duration,
-}
-
-/// The rows one cleanup statement deletes at most.
-const BATCH: u32 = 1_000;
-
-/// Passes in a row without the lock after which a stuck lock is reported.
-const STUCK_AFTER: u32 = 10;
-
-/// Runs [`Inbox::cleanup_behind`] for `consumer` (behind `durable` of `stream`) on `schedule`
-/// until `shutdown`; failures are logged and retried at the next tick.
-pub(crate) async fn run_periodically<DB: InboxBackend>(
-    inbox: Inbox<DB>,
-    consumer: &'static str,
-    (durable, stream): (PullConsumer, Stream),
-    schedule: Schedule,
-    shutdown: CancellationToken,
-) {
-    let mut ticks = tokio::time::interval(schedule.every);
-    // Passes in a row in which another instance held the lock. Instances clean up in turns, so a
-    // long run of them means the lock is stuck (a session that holds it and does nothing, or a
-    // pooler that pins advisory locks to the wrong session), and cleanup has silently stopped.
-    let mut skipped = 0u32;
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => break,
-            _ = ticks.tick() => {}
-        }
-        let pass = inbox.cleanup_behind(consumer, &durable, &stream, schedule.retention, BATCH);
-        match pass.await {
-            Ok(Some(n)) => {
-                skipped = 0;
-                crate::metrics::cleaned(consumer, n);
-                if n > 0 {
-                    tracing::info!(consumer, deleted = n, "inbox cleanup");
-                }
-            }
-            Ok(None) => {
-                skipped += 1;
-                tracing::debug!(consumer, "another instance is cleaning up the inbox");
-                if skipped == STUCK_AFTER {
-                    tracing::warn!(
-                        consumer,
-                        passes = skipped,
-                        "another instance has held the inbox cleanup lock at every pass; if none \
-                         is cleaning up, a database session holds the lock (a transaction-mode \
-                         pooler can cause this) and markers are no longer deleted"
-                    );
-                }
-            }
-            Err(e) => tracing::warn!(consumer, error = %e, "inbox cleanup failed"),
-        }
-    }
 }

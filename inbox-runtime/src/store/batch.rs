@@ -16,12 +16,12 @@
 //! Two copies of one key in a batch: the second claim sees the first's marker, in the same
 //! transaction, and is a Skip.
 
-use crate::backend::sealed::Claim;
-use crate::backend::{self, InboxBackend};
+use super::Inbox;
+use crate::backend::{self, Claimed, InboxBackend};
 use crate::classify::{ErrorClass, classify};
 use crate::delivery::Delivery;
+use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome};
-use crate::store::{Inbox, ProcessError};
 use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
 
@@ -67,7 +67,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
         // The relay of every outbox the handlers wrote to is woken once the batch commits.
         // Boxed, as in `process_keyed`: a large future, kept off the stack.
-        crate::outbox::waking(Box::pin(async {
+        crate::wake::scope(Box::pin(async {
             let lean = self.batch_lean(handler, state, keys, deliveries, decoded);
             let culprit = match lean.await {
                 Ok(done) => return done,
@@ -119,7 +119,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 let _ = tx.rollback().await;
                 return Err(transient_or_one::<DB>(
                     &ProcessError::Database {
-                        stage: crate::store::Stage::Claim,
+                        stage: Stage::Claim,
                         source,
                     },
                     None,
@@ -127,7 +127,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             }
         };
         for (i, (claim, decoded)) in claims.into_iter().zip(decoded).enumerate() {
-            let Claim::New(id) = claim else {
+            let Claimed::New(id) = claim else {
                 done.push(Batched::Done(Outcome::Skip));
                 continue;
             };

@@ -4,11 +4,11 @@
 //! whole failed, is served alone, exactly as without batching (retries, nak, dead letter).
 
 use super::Inner;
-use super::delivery::with_progress;
+use super::serve::with_progress;
 use super::verdict::Verdict;
-use crate::batch::Batched;
 use crate::delivery::Delivery;
 use crate::handler::{Handler, Outcome};
+use crate::store::Batched;
 use async_nats::jetstream::message::Message;
 use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
@@ -72,7 +72,7 @@ where
         }
         let key_refs: Vec<&str> = keys.iter().map(String::as_str).collect();
         // Decoded once; again only for the second try after a failure.
-        let decode = |i: usize| super::delivery::decode::<H>(&deliveries[i].1).ok();
+        let decode = |i: usize| super::serve::decode::<H>(&deliveries[i].1).ok();
         let delivery_refs: Vec<&Delivery> = deliveries.iter().map(|(d, _, _)| d).collect();
         let work = self.inbox.process_batch(
             &self.handler,

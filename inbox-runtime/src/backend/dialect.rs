@@ -1,0 +1,207 @@
+//! The dialect trait: one database's inbox SQL and what behaves differently on it. Sealed (a
+//! public trait in a private module): its SQL is an implementation detail, and a new backend is
+//! added in this crate, where the conformance suite runs it (see CONTRIBUTING.md).
+
+use super::{Generic, TableName};
+use crate::layout::{Layout, Partitions};
+use sqlx::{Pool, SqlStr, Transaction};
+use std::future::Future;
+use std::time::Duration;
+
+/// How relays side by side keep off each other's outbox rows: a capability of the backend, so
+/// that the relay never asks which database it runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelayTurns {
+    /// Each relay locks the rows it reads (`FOR UPDATE SKIP LOCKED`) for its transaction and
+    /// passes over those another holds: relays work side by side.
+    SkipLocked,
+    /// The relay holding the lease in `<table>_relay` reads and publishes; the others wait
+    /// their turn (a database whose writers hold one write lock, SQLite).
+    Lease,
+}
+
+/// The result of the claim statement (not the two-phase [`Claim`](crate::Claim) handle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claimed {
+    /// This transaction inserted the marker (row `id`): it owns the key until it commits or rolls
+    /// back.
+    New(i64),
+    /// A committed marker for the key exists: the message is a duplicate.
+    Duplicate,
+}
+
+/// One database's inbox SQL. Not public API: reachable only inside this crate.
+pub trait Backend: sqlx::Database + Generic {
+    /// The backend's name, for logs and errors.
+    const NAME: &'static str;
+
+    /// The current time as this dialect writes it into `processed_at`.
+    const NOW_SQL: &'static str;
+
+    /// The type an integer expression is CAST to so that it decodes as `i64`.
+    const INT64: &'static str;
+
+    /// What locks the rows a SELECT reads until the transaction ends (empty where the
+    /// transaction holds the database's write lock already).
+    const FOR_UPDATE: &'static str = " FOR UPDATE";
+
+    /// The time `param` seconds (a float) from now, as the dialect stores timestamps.
+    fn secs_from_now_sql(param: &str) -> String;
+
+    /// The whole milliseconds from now until `column` (negative once it is past; NULL when
+    /// it is NULL), as an integer expression.
+    fn ms_until_sql(column: &str) -> String;
+
+    /// `message_key` as text (MySQL stores it as bytes, compared exactly).
+    const KEY_TEXT: &'static str = "message_key";
+
+    /// The claim statement for `table` in `layout`. Binds: consumer, key. PostgreSQL and
+    /// SQLite return the new row's id, or no row (or NULL) for a duplicate (the default
+    /// [`Backend::claim`]). Only PostgreSQL is ever given [`Layout::Partitioned`].
+    fn claim_sql(table: &TableName, layout: &Layout) -> SqlStr;
+
+    /// The `n`th bind placeholder (from 1) in this dialect: `$1`, `?` or `?1`.
+    fn param(n: usize) -> String;
+
+    /// The migrations that create and evolve `table` in `layout`, in order.
+    fn migration_sql(table: &TableName, layout: &Layout) -> Vec<String>;
+
+    /// Deletes at most `?3` finished markers of consumer `?1` received more than `?2` seconds
+    /// (a float) ago, oldest first. Never an open claim (`processed_at IS NULL`).
+    fn cleanup_sql(table: &TableName) -> SqlStr;
+
+    /// The rows a statement affected (sqlx has no generic accessor).
+    fn rows_affected(done: &Self::QueryResult) -> u64;
+
+    /// Whether a database error says the data itself is wrong (a value out of range, too
+    /// long, not valid in its encoding): the same message fails the same way every time.
+    fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        let _ = err;
+        false
+    }
+
+    /// Whether a database error says the connection or the server is gone (the server
+    /// shutting down, the session killed, a connection failure): see
+    /// `classify::is_outage`.
+    fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+
+    /// Whether a database error is transient (serialization failure, deadlock, lock timeout,
+    /// busy, connection killed): the same message may succeed in a fresh transaction.
+    fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+
+    /// The statement that begins a message's transaction, waiting at most `lock_timeout`
+    /// for any lock (a twin blocked behind a frozen peer's transaction must not wait for as
+    /// long as TCP keepalive allows).
+    fn begin_sql(lock_timeout: Duration) -> SqlStr;
+
+    /// Begins the transaction a message is processed in with `sql` ([`Backend::begin_sql`]).
+    fn begin(
+        pool: &Pool<Self>,
+        sql: SqlStr,
+    ) -> impl Future<Output = Result<Transaction<'static, Self>, sqlx::Error>> + Send + '_ {
+        pool.begin_with(sql)
+    }
+
+    /// Inserts the marker for (`consumer`, `key`) in `tx`, answering whether it was new. A
+    /// concurrent transaction holding the same key makes this wait until that one finishes.
+    fn claim<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Claimed, sqlx::Error>> + Send + 'a {
+        let row = Self::fetch_id(&mut **tx, sql, consumer, key);
+        async move { Ok(row.await?.map_or(Claimed::Duplicate, Claimed::New)) }
+    }
+
+    /// Claims every key of a batch (in the order given) in `tx`: per key, what
+    /// [`Backend::claim`] would answer, a later copy of a key the batch claimed being a
+    /// duplicate. By default a claim statement per key; a dialect that can tell new rows from
+    /// duplicates in one statement overrides it.
+    fn claim_many<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        (table, layout): (&'a TableName, &'a Layout),
+        claim: SqlStr,
+        consumer: &'a str,
+        keys: &'a [&'a str],
+    ) -> impl Future<Output = Result<Vec<Claimed>, sqlx::Error>> + Send + 'a {
+        let _ = (table, layout);
+        async move {
+            let mut claims = Vec::with_capacity(keys.len());
+            for key in keys {
+                claims.push(Self::claim(tx, claim.clone(), consumer, key).await?);
+            }
+            Ok(claims)
+        }
+    }
+
+    /// Takes the fleet-wide cleanup lock `name` on `conn` without waiting; `false` when
+    /// another instance holds it. The default suits a database with a single writer, whose
+    /// cleanups serialise on its write lock anyway.
+    fn try_cleanup_lock<'a>(
+        conn: &'a mut Self::Connection,
+        name: &'a str,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
+        let _ = (conn, name);
+        std::future::ready(Ok(true))
+    }
+
+    /// Releases the lock taken by [`Backend::try_cleanup_lock`].
+    fn cleanup_unlock<'a>(
+        conn: &'a mut Self::Connection,
+        name: &'a str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {
+        let _ = (conn, name);
+        std::future::ready(Ok(()))
+    }
+
+    /// Partitioned layout: creates the partitions of `table` from the current one to
+    /// `partitions.ahead` beyond it that do not exist yet, one instance at a time; returns
+    /// how many it created. Only a dialect that has the layout overrides it.
+    fn add_partitions<'a>(
+        conn: &'a mut Self::Connection,
+        table: &'a TableName,
+        partitions: &'a Partitions,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a {
+        let _ = (conn, table, partitions);
+        std::future::ready(Ok(0))
+    }
+
+    /// Partitioned layout, on a connection holding the cleanup lock: removes `consumer`'s
+    /// finished markers in the partitions whose whole range is more than `older_than_secs`
+    /// old, by dropping the partition when nothing else is in it (no open claim, no other
+    /// consumer's marker), else by deleting them in batches of `batch`. Returns how many
+    /// markers went.
+    fn drop_partitions<'a>(
+        conn: &'a mut Self::Connection,
+        table: &'a TableName,
+        consumer: &'a str,
+        older_than_secs: f64,
+        batch: i64,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send + 'a {
+        let _ = (conn, table, consumer, older_than_secs, batch);
+        std::future::ready(Ok(0))
+    }
+
+    /// `err` as this backend's database error, when it is one: a handler's error that wraps
+    /// a `sqlx::Error` transparently (`#[error(transparent)]`) shows, as its source, the
+    /// database error inside it rather than the `sqlx::Error`.
+    fn downcast_database_error<'e>(
+        err: &'e (dyn std::error::Error + 'static),
+    ) -> Option<&'e dyn sqlx::error::DatabaseError>;
+
+    /// The outbox (`outbox.rs`): the migrations that create `table` and its indexes.
+    fn outbox_migration_sql(table: &TableName) -> Vec<String>;
+
+    /// The outbox: what a relay's SELECT of pending rows ends with, to lock them for its
+    /// transaction and pass over those another relay holds. Empty where the transaction holds
+    /// the database's write lock (SQLite, whose relays take turns by a lease instead).
+    const SKIP_LOCKED: &'static str = " FOR UPDATE SKIP LOCKED";
+
+    /// The outbox: how relays side by side keep off each other's rows.
+    const RELAY_TURNS: RelayTurns = RelayTurns::SkipLocked;
+
+    /// The outbox: deletes at most `?2` rows of `table` sent more than `?1` seconds (a float)
+    /// ago, oldest first.
+    fn outbox_cleanup_sql(table: &TableName) -> SqlStr;
+}

@@ -1,0 +1,353 @@
+//! The statements every dialect runs alike, written once over the bounds sqlx's generic
+//! executors need, each binding what its statements take and reading rows into named structs
+//! (`rows.rs`).
+
+use super::rows::{
+    Backlog, ClaimState, DeleteBatch, KeyId, NewOutboxRow, OpenClaimRow, OutboxRow, ParkedRow,
+};
+use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::{Pool, SqlStr};
+use std::future::Future;
+
+/// The statements every dialect runs alike, written once over the bounds sqlx's generic
+/// executors need; implemented for every database that meets them.
+pub trait Generic: sqlx::Database {
+    /// Runs `sql` with (consumer, key) and returns the id of the row it returns, if any.
+    fn fetch_id<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` with (consumer, key) and returns the claim's state, if it has a row.
+    fn fetch_claim_state<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Option<ClaimState>, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` with (consumer, a number) and returns the open claims it lists.
+    fn fetch_open_claims<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        n: i64,
+    ) -> impl Future<Output = Result<Vec<OpenClaimRow>, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` binding (`secs`, `id`, `fence`), or (`id`, `fence`) without `secs`.
+    fn execute_fenced<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        secs: Option<f64>,
+        id: i64,
+        fence: i64,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` binding (consumer, key).
+    fn execute_key<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` binding `id`.
+    fn execute_id<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        id: i64,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Deletes one batch of old rows: markers (`Backend::cleanup_sql`) or sent outbox rows
+    /// (`Backend::outbox_cleanup_sql`), as `batch` binds them.
+    fn delete_batch<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        batch: DeleteBatch<'a>,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` (`InboxStatements::park`) on `pool`.
+    fn park<'a>(
+        pool: &'a Pool<Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        headers: &'a str,
+        payload: &'a [u8],
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` (`InboxStatements::parked`) on `pool`.
+    fn parked<'a>(
+        pool: &'a Pool<Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+    ) -> impl Future<Output = Result<Vec<ParkedRow>, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` binding `id` on `pool`.
+    fn execute_id_on<'a>(
+        pool: &'a Pool<Self>,
+        sql: SqlStr,
+        id: i64,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql`, without binds and unprepared, on `conn`.
+    fn execute_raw<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql`, without binds, on `pool`.
+    fn execute<'a>(
+        pool: &'a Pool<Self>,
+        sql: SqlStr,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// The outbox: runs `sql` binding (msg id, subject, order key, headers, payload).
+    fn outbox_insert<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        row: NewOutboxRow<'a>,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// The outbox: runs `sql` binding `n` and returns its rows.
+    fn outbox_rows<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        n: i64,
+    ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send + 'a;
+
+    /// The outbox: each order key's smallest pending id, among the rows up to id `up_to`.
+    fn outbox_heads<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        up_to: i64,
+    ) -> impl Future<Output = Result<Vec<KeyId>, sqlx::Error>> + Send + 'a;
+
+    /// The outbox: how many rows are pending, and how old the oldest is.
+    fn outbox_backlog<'a>(
+        pool: &'a Pool<Self>,
+        sql: SqlStr,
+    ) -> impl Future<Output = Result<Backlog, sqlx::Error>> + Send + 'a;
+
+    /// The outbox (SQLite): takes or renews the relays' lease for `owner`, for `lease_secs`;
+    /// affects no row while another owner's lease runs.
+    fn take_relay_lease<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        owner: &'a str,
+        lease_secs: f64,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `migrator` on `pool`.
+    fn run_migrator<'a>(
+        pool: &'a Pool<Self>,
+        migrator: &'a Migrator,
+    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a;
+}
+
+impl<DB> Generic for DB
+where
+    DB: sqlx::Database,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Connection: sqlx::migrate::Migrate,
+    for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    for<'q> f64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'r> ParkedRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> ClaimState: sqlx::FromRow<'r, DB::Row>,
+    for<'r> OpenClaimRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> OutboxRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> KeyId: sqlx::FromRow<'r, DB::Row>,
+    for<'r> Backlog: sqlx::FromRow<'r, DB::Row>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    async fn fetch_claim_state<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> Result<Option<ClaimState>, sqlx::Error> {
+        sqlx::query_as::<DB, ClaimState>(sql)
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn fetch_open_claims<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        n: i64,
+    ) -> Result<Vec<OpenClaimRow>, sqlx::Error> {
+        sqlx::query_as::<DB, OpenClaimRow>(sql)
+            .bind(consumer)
+            .bind(n)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn execute_fenced(
+        conn: &mut DB::Connection,
+        sql: SqlStr,
+        secs: Option<f64>,
+        id: i64,
+        fence: i64,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        let mut query = sqlx::query::<DB>(sql);
+        if let Some(secs) = secs {
+            query = query.bind(secs);
+        }
+        query.bind(id).bind(fence).execute(conn).await
+    }
+
+    async fn execute_key<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::query::<DB>(sql)
+            .bind(consumer)
+            .bind(key)
+            .execute(conn)
+            .await
+    }
+
+    async fn fetch_id<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar::<DB, i64>(sql)
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn execute_id(
+        conn: &mut DB::Connection,
+        sql: SqlStr,
+        id: i64,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::query::<DB>(sql).bind(id).execute(conn).await
+    }
+
+    async fn delete_batch<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        batch: DeleteBatch<'a>,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        let mut query = sqlx::query::<DB>(sql);
+        if let Some(consumer) = batch.consumer {
+            query = query.bind(consumer);
+        }
+        let query = query.bind(batch.older_than_secs).bind(batch.limit);
+        query.execute(conn).await
+    }
+
+    async fn park<'a>(
+        pool: &'a Pool<DB>,
+        sql: SqlStr,
+        consumer: &'a str,
+        headers: &'a str,
+        payload: &'a [u8],
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        let query = sqlx::query::<DB>(sql).bind(consumer).bind(headers);
+        query.bind(payload).execute(pool).await
+    }
+
+    async fn parked<'a>(
+        pool: &'a Pool<DB>,
+        sql: SqlStr,
+        consumer: &'a str,
+    ) -> Result<Vec<ParkedRow>, sqlx::Error> {
+        sqlx::query_as::<DB, ParkedRow>(sql)
+            .bind(consumer)
+            .fetch_all(pool)
+            .await
+    }
+
+    async fn execute_id_on(
+        pool: &Pool<DB>,
+        sql: SqlStr,
+        id: i64,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::query::<DB>(sql).bind(id).execute(pool).await
+    }
+
+    async fn execute_raw(
+        conn: &mut DB::Connection,
+        sql: SqlStr,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::raw_sql(sql).execute(conn).await
+    }
+
+    async fn outbox_insert<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        row: NewOutboxRow<'a>,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        let query = sqlx::query::<DB>(sql).bind(row.msg_id).bind(row.subject);
+        let query = query
+            .bind(row.order_key)
+            .bind(row.headers)
+            .bind(row.payload);
+        query.execute(conn).await
+    }
+
+    async fn outbox_rows(
+        conn: &mut DB::Connection,
+        sql: SqlStr,
+        n: i64,
+    ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+        sqlx::query_as::<DB, OutboxRow>(sql)
+            .bind(n)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn outbox_heads(
+        conn: &mut DB::Connection,
+        sql: SqlStr,
+        up_to: i64,
+    ) -> Result<Vec<KeyId>, sqlx::Error> {
+        sqlx::query_as::<DB, KeyId>(sql)
+            .bind(up_to)
+            .fetch_all(conn)
+            .await
+    }
+
+    async fn outbox_backlog(pool: &Pool<DB>, sql: SqlStr) -> Result<Backlog, sqlx::Error> {
+        sqlx::query_as::<DB, Backlog>(sql).fetch_one(pool).await
+    }
+
+    async fn take_relay_lease<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        owner: &'a str,
+        lease_secs: f64,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::query::<DB>(sql)
+            .bind(owner)
+            .bind(lease_secs)
+            .execute(conn)
+            .await
+    }
+
+    async fn execute(pool: &Pool<DB>, sql: SqlStr) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::query::<DB>(sql).execute(pool).await
+    }
+
+    fn run_migrator<'a>(
+        pool: &'a Pool<DB>,
+        migrator: &'a Migrator,
+    ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
+        migrator.run(pool)
+    }
+}

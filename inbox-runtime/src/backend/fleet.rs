@@ -1,0 +1,84 @@
+//! Cleanups one instance at a time across the fleet: a lock that is a *session* lock of the
+//! database (PostgreSQL's advisory lock, MySQL's `GET_LOCK`; SQLite's single writer needs none),
+//! and the bounded batches a cleanup deletes in under it. Both the inbox's cleanup and the
+//! outbox relay's go through here.
+
+use super::{DeleteBatch, InboxBackend};
+use sqlx::pool::PoolConnection;
+use sqlx::{Pool, SqlStr};
+
+/// A fleet lock held on a connection of its own. A connection returned to the pool while still
+/// holding the lock (a cleanup cancelled half-way, an unlock that failed) would keep every
+/// instance from cleaning up for as long as it lives, so a connection that may still hold it is
+/// closed when dropped, which makes the server release it.
+pub(crate) struct FleetLock<DB: InboxBackend> {
+    conn: PoolConnection<DB>,
+    name: String,
+    locked: bool,
+}
+
+impl<DB: InboxBackend> FleetLock<DB> {
+    /// Takes lock `name` on a connection of `pool` without waiting; `None` when another instance
+    /// holds it.
+    pub(crate) async fn try_take(
+        pool: &Pool<DB>,
+        name: String,
+    ) -> Result<Option<Self>, sqlx::Error> {
+        // Counted as held from before it is asked for: cancelled while the server grants it,
+        // the connection must not go back to the pool holding it.
+        let mut lock = FleetLock {
+            conn: pool.acquire().await?,
+            name,
+            locked: true,
+        };
+        if DB::try_cleanup_lock(&mut lock.conn, &lock.name).await? {
+            Ok(Some(lock))
+        } else {
+            lock.locked = false;
+            Ok(None)
+        }
+    }
+
+    /// The connection holding the lock: the cleanup runs on it, so that it takes one connection
+    /// of the pool, as the pool split counts it.
+    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
+        &mut self.conn
+    }
+
+    /// Releases the lock; when that fails, the connection is closed rather than pooled.
+    pub(crate) async fn release(mut self) {
+        match DB::cleanup_unlock(&mut self.conn, &self.name).await {
+            Ok(()) => self.locked = false,
+            Err(e) => tracing::warn!(
+                lock = %self.name,
+                error = %e,
+                "releasing the cleanup lock failed; closing the connection"
+            ),
+        }
+    }
+}
+
+impl<DB: InboxBackend> Drop for FleetLock<DB> {
+    fn drop(&mut self) {
+        if self.locked {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
+/// Runs the delete `sql` with `batch` on `conn` until a batch deletes nothing: short statements
+/// that never hold up the hot path for long. Returns how many rows went.
+pub(crate) async fn delete_in_batches<DB: InboxBackend>(
+    conn: &mut DB::Connection,
+    sql: SqlStr,
+    batch: DeleteBatch<'_>,
+) -> Result<u64, sqlx::Error> {
+    let mut deleted = 0;
+    loop {
+        let done = DB::delete_batch(&mut *conn, sql.clone(), batch).await?;
+        match DB::rows_affected(&done) {
+            0 => return Ok(deleted),
+            n => deleted += n,
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! What differs per database, behind one sealed trait; the generic code never asks which database
+//! it is (it asks for a capability, such as `RelayTurns`). A backend writes its dialect's SQL and
+//! overrides only what behaves differently; the statements every dialect runs alike have default
+//! bodies over sqlx's generic executor bounds.
+//!
+//! One concept per file: `dialect` (the sealed per-database trait), `executor` (the statements
+//! every dialect runs alike), `rows` (what they read and write), `statements` (one inbox table's
+//! SQL), `table` (its checked name), `migrate` (migrations, safe when instances race), `fleet`
+//! (the cleanup lock and batched deletes), `transient` (which errors a fresh transaction may
+//! cure); then one file per dialect (PostgreSQL's partitioned layout in `postgres/`).
+
+mod dialect;
+mod executor;
+pub(crate) mod fleet;
+pub(crate) mod migrate;
+mod rows;
+mod statements;
+mod table;
+mod transient;
+
+#[cfg(feature = "mysql")]
+mod mysql;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
+
+pub(crate) use dialect::{Backend, Claimed, RelayTurns};
+pub(crate) use executor::Generic;
+pub(crate) use rows::{DeleteBatch, KeyId, NewOutboxRow, OutboxRow};
+#[cfg(feature = "sqlite")]
+pub use sqlite::sqlite_options;
+pub(crate) use statements::{InboxStatements, claims_of, finish_many_sql, stamp_ids_sql};
+pub use table::{InvalidTableName, TableName};
+pub use transient::is_transient;
+
+use std::time::Duration;
+
+/// How long a transaction waits for a lock by default: see
+/// [`Inbox::lock_timeout`](crate::Inbox::lock_timeout).
+pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A database the inbox runs on: `sqlx::Postgres` (feature `postgres`), `sqlx::MySql` (feature
+/// `mysql`, for MySQL and MariaDB) and `sqlx::Sqlite` (feature `sqlite`).
+///
+/// Sealed: its SQL is an implementation detail of this crate, and a new backend is added here,
+/// where the conformance suite runs it (see CONTRIBUTING.md).
+pub trait InboxBackend: sqlx::Database + Backend {}
+
+impl<DB: Backend> InboxBackend for DB {}

@@ -1,0 +1,200 @@
+//! What an outbox message is, and what NATS would refuse of it before it is written.
+
+use serde::Serialize;
+
+/// The longest message id and order key the outbox stores.
+pub const MAX_ID_LEN: usize = 255;
+
+/// A message to publish through an [`Outbox`]: its subject, payload and headers, and optionally
+/// its id and ordering key.
+///
+/// ```
+/// use inbox_runtime::OutboxMessage;
+/// let message = OutboxMessage::new("credits.applied", br#"{"id":"r-1"}"#.to_vec())
+///     .header("Content-Type", "application/json")
+///     .order_key("account-7");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    pub(crate) subject: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) msg_id: Option<String>,
+    pub(crate) order_key: Option<String>,
+}
+
+impl OutboxMessage {
+    /// A message of `payload` to `subject`.
+    pub fn new(subject: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        OutboxMessage {
+            subject: subject.into(),
+            payload: payload.into(),
+            headers: Vec::new(),
+            msg_id: None,
+            order_key: None,
+        }
+    }
+
+    /// A message of `value` as JSON to `subject`, with `Content-Type: application/json`.
+    pub fn json<T: Serialize + ?Sized>(
+        subject: impl Into<String>,
+        value: &T,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(OutboxMessage::new(subject, serde_json::to_vec(value)?)
+            .header("Content-Type", "application/json"))
+    }
+
+    /// Adds a header (a name may repeat). `Nats-Msg-Id` is set by the relay: use
+    /// [`OutboxMessage::msg_id`] for it.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// The message's id (`Nats-Msg-Id`), for a message that has one of its own (an event id):
+    /// the target stream drops a second message with the same id within its duplicate window.
+    /// Without it, the outbox generates one (a NUID) when the row is written.
+    pub fn msg_id(mut self, id: impl Into<String>) -> Self {
+        self.msg_id = Some(id.into());
+        self
+    }
+
+    /// The key whose messages are published in the order they were written (the order of their
+    /// rows' ids). Messages of different keys may overtake each other. Without it, the subject
+    /// is the key: every message to one subject is published in order.
+    pub fn order_key(mut self, key: impl Into<String>) -> Self {
+        self.order_key = Some(key.into());
+        self
+    }
+
+    /// The subject.
+    pub fn subject(&self) -> &str {
+        &self.subject
+    }
+
+    /// Why NATS would refuse this message, if it would.
+    pub(crate) fn check(&self) -> Result<(), InvalidMessage> {
+        if let Err(why) = publish_subject(&self.subject) {
+            return Err(InvalidMessage::Subject {
+                subject: self.subject.clone(),
+                why,
+            });
+        }
+        for (name, value) in &self.headers {
+            let bad_name = name.is_empty()
+                || name
+                    .bytes()
+                    .any(|b| b == b':' || b.is_ascii_whitespace() || b.is_ascii_control());
+            if bad_name {
+                return Err(InvalidMessage::HeaderName(name.clone()));
+            }
+            if value.contains(['\r', '\n']) {
+                return Err(InvalidMessage::HeaderValue(name.clone()));
+            }
+            if name.eq_ignore_ascii_case("Nats-Msg-Id") {
+                return Err(InvalidMessage::MsgIdHeader);
+            }
+        }
+        for (what, text) in [("message id", &self.msg_id), ("order key", &self.order_key)] {
+            if let Some(text) = text
+                && (text.is_empty() || text.len() > MAX_ID_LEN)
+            {
+                return Err(InvalidMessage::Length {
+                    what,
+                    len: text.len(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Why NATS would refuse `subject` as a publish subject.
+fn publish_subject(subject: &str) -> Result<(), &'static str> {
+    if subject.is_empty() {
+        return Err("it is empty");
+    }
+    if subject
+        .bytes()
+        .any(|b| b.is_ascii_whitespace() || b.is_ascii_control())
+    {
+        return Err("it contains whitespace");
+    }
+    for token in subject.split('.') {
+        match token {
+            "" => return Err("it has an empty token"),
+            "*" | ">" => return Err("a message cannot be published to a wildcard"),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// A message [`Outbox::enqueue`] refuses, before anything is written: NATS would never take it,
+/// and the row would stay pending for ever. A permanent error for the handler (its message is
+/// dead-lettered).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InvalidMessage {
+    /// Not a subject a message can be published to.
+    #[error("outbox message subject {subject:?} is not valid: {why}")]
+    Subject {
+        /// The subject.
+        subject: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// A header name NATS would refuse.
+    #[error(
+        "outbox message header name {0:?} is not valid (empty, or with ':', whitespace or a control character)"
+    )]
+    HeaderName(String),
+    /// A header value with a line break.
+    #[error("outbox message header {0:?} has a line break in its value")]
+    HeaderValue(String),
+    /// `Nats-Msg-Id` set as a header.
+    #[error(
+        "outbox messages get Nats-Msg-Id from their row: set it with OutboxMessage::msg_id, not as a header"
+    )]
+    MsgIdHeader,
+    /// A message id or order key empty or too long.
+    #[error("outbox message {what} is {len} bytes: it must be 1 to 255")]
+    Length {
+        /// "message id" or "order key".
+        what: &'static str,
+        /// Its length.
+        len: usize,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_nats_would_refuse_is_refused_before_it_is_written() {
+        let ok = OutboxMessage::new("credits.applied", b"{}".to_vec());
+        assert_eq!(ok.check(), Ok(()));
+        for subject in ["", "a..b", "credits.*", "credits.>", "a b", ".a", "a."] {
+            let m = OutboxMessage::new(subject, Vec::new());
+            assert!(
+                matches!(m.check(), Err(InvalidMessage::Subject { .. })),
+                "{subject:?}"
+            );
+        }
+        for name in ["", "a:b", "a b"] {
+            let m = ok.clone().header(name, "v");
+            assert_eq!(m.check(), Err(InvalidMessage::HeaderName(name.into())));
+        }
+        let m = ok.clone().header("X", "a\r\nb");
+        assert_eq!(m.check(), Err(InvalidMessage::HeaderValue("X".into())));
+        let m = ok.clone().header("nats-msg-id", "x");
+        assert_eq!(m.check(), Err(InvalidMessage::MsgIdHeader));
+        let m = ok.clone().msg_id("");
+        assert!(matches!(m.check(), Err(InvalidMessage::Length { .. })));
+        let m = ok.clone().order_key("k".repeat(256));
+        assert!(matches!(
+            m.check(),
+            Err(InvalidMessage::Length { len: 256, .. })
+        ));
+    }
+}

@@ -1,0 +1,212 @@
+//! The transactional outbox: messages a handler publishes leave if and only if its transaction
+//! commits, exactly once in the target stream.
+//!
+//! - [`Outbox::publish`] (or [`Outbox::enqueue`]) writes a row in the handler's transaction, so
+//!   it commits or rolls back with the marker and the business write. The row carries the
+//!   message's stable id: given, or generated (a NUID) when the row is written.
+//! - A [`Relay`] (run by the [`App`](crate::App) next to the workers) publishes pending rows with
+//!   `Nats-Msg-Id` = that id and marks them sent only after the PubAck: a relay that dies in
+//!   between publishes the row again, into the stream's duplicate window, and the stream keeps
+//!   one copy.
+//! - A worker's commit wakes the relay of every outbox its handler wrote to (no polling delay);
+//!   the relay polls too, for rows whose writer died between COMMIT and the wake-up, and for rows
+//!   written outside a worker.
+//!
+//! One concept per file: this file holds [`Outbox`]; `message` (what a message is, and what NATS
+//! would refuse), `statements` (its SQL), `relay` (the [`Relay`] and its loop), `pass` (one
+//! pass: rows taken, published, marked; cleanup), `streams` (the checks of target streams),
+//! `error` (why a relay refuses a stream or a pass failed).
+
+mod error;
+mod message;
+mod pass;
+mod relay;
+mod statements;
+mod streams;
+
+pub use error::RelayError;
+pub use message::{InvalidMessage, OutboxMessage};
+#[cfg(feature = "test-util")]
+pub use relay::Hook;
+pub use relay::{DEFAULT_RETENTION, Relay, RelayStats};
+
+use crate::backend::{InboxBackend, NewOutboxRow, TableName, migrate};
+use crate::classify::Permanent;
+use serde::Serialize;
+use sqlx::{Pool, Transaction};
+use statements::OutboxStatements;
+use std::fmt;
+use std::sync::Arc;
+use tokio::sync::Notify;
+
+/// A transactional outbox: a table (default `outbox`) of messages written in a handler's
+/// transaction and published by a [`Relay`] once committed. Cheap to clone; hand it to the
+/// handler as its state (or part of it) and to [`App::relay`](crate::App::relay).
+///
+/// ```no_run
+/// use inbox_runtime::{App, Durable, Inbox, Outbox, Relay, Tx, idempotent};
+/// use sqlx::Postgres;
+///
+/// #[derive(serde::Deserialize)]
+/// struct CreditRequested { id: String, account: i64, amount: i64 }
+///
+/// #[idempotent(consumer = "credit", key = msg.id)]
+/// async fn credit(
+///     msg: CreditRequested,
+///     tx: &mut Tx<Postgres>,
+///     outbox: &Outbox<Postgres>,
+/// ) -> Result<(), sqlx::Error> {
+///     sqlx::query("UPDATE accounts SET balance = balance + $1 WHERE id = $2")
+///         .bind(msg.amount)
+///         .bind(msg.account)
+///         .execute(&mut **tx)
+///         .await?;
+///     let event = serde_json::json!({"id": msg.id, "account": msg.account, "amount": msg.amount});
+///     outbox.publish(tx, "credits.applied", &event).await?;
+///     Ok(())
+/// }
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+/// let (inbox, outbox) = (Inbox::new(pool.clone()), Outbox::new(pool));
+/// inbox.migrate().await?;
+/// outbox.migrate().await?;
+/// let js = async_nats::jetstream::new(async_nats::connect("127.0.0.1:4222").await?);
+/// App::new(inbox, &js)
+///     .handler_with_state(credit, outbox.clone(), Durable::existing("CREDITS", "credit"))
+///     .relay(Relay::new(outbox).stream("CREDIT_EVENTS"))
+///     .run()
+///     .await?;
+/// # Ok(()) }
+/// ```
+pub struct Outbox<DB: InboxBackend> {
+    inner: Arc<Inner<DB>>,
+}
+
+struct Inner<DB: InboxBackend> {
+    pool: Pool<DB>,
+    table: TableName,
+    sql: OutboxStatements,
+    /// Wakes this outbox's relay.
+    wake: Arc<Notify>,
+}
+
+impl<DB: InboxBackend> Clone for Outbox<DB> {
+    fn clone(&self) -> Self {
+        Outbox {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<DB: InboxBackend> fmt::Debug for Outbox<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.inner.table)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: InboxBackend> Outbox<DB> {
+    /// The outbox in table `outbox` of `pool`'s database.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Outbox::with_table(pool, TableName::new("outbox").expect("a valid name"))
+    }
+
+    /// The outbox in `table`.
+    pub fn with_table(pool: Pool<DB>, table: TableName) -> Self {
+        Outbox {
+            inner: Arc::new(Inner {
+                sql: OutboxStatements::new::<DB>(&table),
+                pool,
+                table,
+                wake: Arc::new(Notify::new()),
+            }),
+        }
+    }
+
+    /// Creates or updates the outbox's table (its migrations are tracked in
+    /// `_<table>_migrations`, apart from the application's). Safe to run from several instances
+    /// at once.
+    pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
+        let table = &self.inner.table;
+        let migrator = migrate::migrator(table, "outbox", DB::outbox_migration_sql(table));
+        migrate::migrate_racing(&self.inner.pool, table, &migrator).await
+    }
+
+    /// The table.
+    pub fn table(&self) -> &TableName {
+        &self.inner.table
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
+    /// Writes `value` as JSON to `subject` in `tx` ([`OutboxMessage::json`]); returns the
+    /// message's id. See [`Outbox::enqueue`].
+    pub async fn publish<T: Serialize + ?Sized>(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        subject: &str,
+        value: &T,
+    ) -> Result<String, sqlx::Error> {
+        let message = OutboxMessage::json(subject, value)
+            .map_err(|e| sqlx::Error::Encode(Box::new(Permanent::new(e))))?;
+        self.enqueue(tx, message).await
+    }
+
+    /// Writes `message` in `tx`: it is published if and only if `tx` commits, once. Returns the
+    /// message's id (`Nats-Msg-Id`). A message NATS would refuse (a wildcard subject, a bad
+    /// header) is refused here, as a permanent error ([`InvalidMessage`] inside
+    /// [`sqlx::Error::Encode`]).
+    ///
+    /// In a worker's handler, the worker wakes the relay once the transaction commits. Elsewhere,
+    /// call [`Outbox::wake`] after committing, or the relay finds the row at its next poll.
+    pub async fn enqueue(
+        &self,
+        tx: &mut Transaction<'_, DB>,
+        message: OutboxMessage,
+    ) -> Result<String, sqlx::Error> {
+        message
+            .check()
+            .map_err(|e| sqlx::Error::Encode(Box::new(Permanent::new(e))))?;
+        let msg_id = message.msg_id.unwrap_or_else(|| nuid::next().to_string());
+        let order_key = message.order_key.as_deref().unwrap_or(&message.subject);
+        let headers = serde_json::to_string(&message.headers)
+            .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
+        let row = NewOutboxRow {
+            msg_id: &msg_id,
+            subject: &message.subject,
+            order_key,
+            headers: &headers,
+            payload: &message.payload,
+        };
+        DB::outbox_insert(&mut **tx, self.inner.sql.insert.clone(), row).await?;
+        crate::wake::after_scope(&self.inner.wake);
+        Ok(msg_id)
+    }
+
+    /// Wakes the relay: for rows committed outside a worker's handler.
+    pub fn wake(&self) {
+        self.inner.wake.notify_one();
+    }
+
+    /// How many rows are waiting to be published, and how old the oldest is.
+    pub async fn pending(&self) -> Result<(u64, std::time::Duration), sqlx::Error> {
+        let backlog = DB::outbox_backlog(&self.inner.pool, self.inner.sql.pending.clone()).await?;
+        Ok((
+            u64::try_from(backlog.rows).unwrap_or(0),
+            std::time::Duration::from_millis(u64::try_from(backlog.oldest_ms).unwrap_or(0)),
+        ))
+    }
+
+    pub(crate) fn waker(&self) -> &Notify {
+        &self.inner.wake
+    }
+
+    pub(crate) fn statements(&self) -> &OutboxStatements {
+        &self.inner.sql
+    }
+}

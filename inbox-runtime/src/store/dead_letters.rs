@@ -1,0 +1,63 @@
+//! Dead letters parked in `<table>_dead_letters`: what no stream would take on a message's last
+//! delivery, kept until the worker can publish it.
+
+use super::Inbox;
+use crate::backend::InboxBackend;
+
+/// A dead letter parked in the database, waiting for the dead-letter stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ParkedLetter {
+    /// Its row, to forget once published.
+    pub id: i64,
+    /// The letter's headers.
+    pub headers: Vec<(String, String)>,
+    /// The letter's payload.
+    pub payload: Vec<u8>,
+}
+
+impl<DB: InboxBackend> Inbox<DB> {
+    /// Keeps a dead letter (its headers and payload) in `<table>_dead_letters`, until
+    /// [`Inbox::parked_letters`] hands it to a publisher.
+    pub(crate) async fn park_letter(
+        &self,
+        consumer: &str,
+        headers: &[(String, String)],
+        payload: &[u8],
+    ) -> Result<(), sqlx::Error> {
+        let headers = serde_json::to_string(headers).expect("strings serialize");
+        DB::park(
+            &self.pool,
+            self.sql.park.clone(),
+            consumer,
+            &headers,
+            payload,
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// The oldest letters parked for `consumer`.
+    pub(crate) async fn parked_letters(
+        &self,
+        consumer: &str,
+    ) -> Result<Vec<ParkedLetter>, sqlx::Error> {
+        let rows = DB::parked(&self.pool, self.sql.parked.clone(), consumer).await?;
+        rows.into_iter()
+            .map(|row| {
+                let headers = serde_json::from_str(&row.headers)
+                    .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+                Ok(ParkedLetter {
+                    id: row.id,
+                    headers,
+                    payload: row.payload,
+                })
+            })
+            .collect()
+    }
+
+    /// Forgets parked letter `id`.
+    pub(crate) async fn unpark_letter(&self, id: i64) -> Result<(), sqlx::Error> {
+        DB::execute_id_on(&self.pool, self.sql.unpark.clone(), id).await?;
+        Ok(())
+    }
+}

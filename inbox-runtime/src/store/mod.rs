@@ -1,0 +1,170 @@
+//! The inbox store: the table a duplicate is decided in, and everything the runtime does on it.
+//!
+//! One concept per file: this file holds [`Inbox`] and its settings; `process` (one message's
+//! transaction, where a duplicate is decided), `two_phase` (claims with a lease, for side effects
+//! outside the database), `batch` (several messages in one transaction), `cleanup` (retention
+//! and the deletion of old markers), `partitions` (the partitioned layout's upkeep),
+//! `dead_letters` (letters parked in the database).
+
+mod batch;
+mod cleanup;
+mod dead_letters;
+mod partitions;
+mod process;
+mod two_phase;
+
+pub(crate) use batch::Batched;
+pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
+
+use crate::backend::{DEFAULT_LOCK_TIMEOUT, InboxBackend, InboxStatements, TableName, migrate};
+use crate::claim::DEFAULT_LEASE;
+use crate::layout::Layout;
+use sqlx::Pool;
+use std::time::Duration;
+
+/// The inbox over one database pool and table. Cheap to clone.
+///
+/// Each message costs exactly BEGIN, the claim, the handler's statements, the marker's
+/// `processed_at` and COMMIT. Build the
+/// pool with `test_before_acquire(false)`: sqlx otherwise pings the server on every acquire, an
+/// extra round trip per message; a dead connection fails at BEGIN and the message is retried.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/test").await?;
+/// let inbox = inbox_runtime::Inbox::new(pool);
+/// inbox.migrate().await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct Inbox<DB: InboxBackend> {
+    pool: Pool<DB>,
+    table: TableName,
+    layout: Layout,
+    lock_timeout: Duration,
+    lease: Duration,
+    pub(crate) sql: InboxStatements,
+}
+
+impl<DB: InboxBackend> Clone for Inbox<DB> {
+    fn clone(&self) -> Self {
+        Inbox {
+            pool: self.pool.clone(),
+            table: self.table.clone(),
+            layout: self.layout,
+            lock_timeout: self.lock_timeout,
+            lease: self.lease,
+            sql: self.sql.clone(),
+        }
+    }
+}
+
+impl<DB: InboxBackend> Inbox<DB> {
+    /// An inbox in the table `inbox`.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self::with_table(pool, TableName::default())
+    }
+
+    /// An inbox in `table`.
+    pub fn with_table(pool: Pool<DB>, table: TableName) -> Self {
+        Inbox {
+            sql: InboxStatements::new::<DB>(&table, &Layout::Plain, DEFAULT_LOCK_TIMEOUT),
+            pool,
+            table,
+            layout: Layout::Plain,
+            lock_timeout: DEFAULT_LOCK_TIMEOUT,
+            lease: DEFAULT_LEASE,
+        }
+    }
+
+    /// The table's layout.
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// How long a two-phase claim's lease lasts (default 10 s; at least 30 ms): how long a
+    /// crashed owner's claim holds its key before a redelivery may take it over. It is renewed
+    /// every quarter of it while the side effect runs, so a slow side effect keeps its claim; keep
+    /// it at most two thirds of the consumer's `ack_wait` (the worker refuses it otherwise), so
+    /// that the redelivery after a crash finds the lease run out.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease.max(Duration::from_millis(30));
+        self
+    }
+
+    /// The lease of two-phase claims: see [`Inbox::lease`].
+    pub fn lease_duration(&self) -> Duration {
+        self.lease
+    }
+
+    /// How long a message's transaction waits for a lock (default 30 s): PostgreSQL's
+    /// `lock_timeout` (which is unlimited by default), MySQL's `innodb_lock_wait_timeout` (whole
+    /// seconds). A twin whose claim waits behind the transaction of a frozen peer (stopped,
+    /// partitioned) then fails with a transient error and is redelivered later, instead of
+    /// holding its slot for as long as TCP keepalive allows. SQLite waits for its write lock as
+    /// long as the connection's busy timeout (see [`sqlite_options`](crate::sqlite_options)).
+    /// Keep it below the worker's [deadline](crate::WorkerBuilder::deadline). Between 1 ms and
+    /// 24 days.
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        // PostgreSQL takes at most i32::MAX milliseconds (24.8 days), and 0 would mean no limit.
+        let timeout = timeout.clamp(Duration::from_millis(1), Duration::from_secs(24 * 86400));
+        self.lock_timeout = timeout;
+        self.sql = InboxStatements::new::<DB>(&self.table, &self.layout, timeout);
+        self
+    }
+
+    /// The pool messages are processed on.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The inbox table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// Creates or updates the inbox table (and, when [partitioned](Inbox::partitioned), its
+    /// partitions ahead: see [`Inbox::add_partitions`]). Safe to run from several instances at
+    /// once.
+    pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
+        self.run_migrations().await?;
+        self.add_partitions().await?;
+        Ok(())
+    }
+
+    async fn run_migrations(&self) -> Result<(), sqlx::migrate::MigrateError> {
+        let steps = DB::migration_sql(&self.table, &self.layout);
+        let migrator = migrate::migrator(&self.table, "inbox", steps);
+        migrate::migrate_racing(&self.pool, &self.table, &migrator).await
+    }
+
+    /// Whether the database can be reached: a connection of its own (not one from the pool,
+    /// which busy handlers may all hold), opened, pinged and closed within 5 s. For health
+    /// probes.
+    pub(crate) async fn reachable(&self) -> bool {
+        use sqlx::{ConnectOptions, Connection};
+        let options = self.pool.connect_options();
+        let ping = async {
+            let mut conn = options.connect().await?;
+            conn.ping().await?;
+            conn.close().await
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), ping).await,
+            Ok(Ok(()))
+        )
+    }
+
+    /// Whether the database answers: a connection from the pool, pinged, within 5 s.
+    pub(crate) async fn answers(&self) -> bool {
+        use sqlx::Connection;
+        let ping = async {
+            let mut conn = self.pool.acquire().await?;
+            conn.ping().await
+        };
+        matches!(
+            tokio::time::timeout(Duration::from_secs(5), ping).await,
+            Ok(Ok(()))
+        )
+    }
+}

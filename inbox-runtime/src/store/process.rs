@@ -1,0 +1,171 @@
+//! Where a duplicate is decided: one transaction per message (BEGIN, the claim, the handler's
+//! statements, the marker's `processed_at`, COMMIT), and the marker lookup after a COMMIT whose
+//! reply was lost.
+
+use super::Inbox;
+use crate::backend::{Claimed, InboxBackend};
+use crate::delivery::Delivery;
+use crate::error::{ProcessError, Stage};
+use crate::handler::{Handler, Outcome, message_key};
+use sqlx::Transaction;
+use tracing::Instrument;
+
+impl<DB: InboxBackend> Inbox<DB> {
+    /// Processes `message` exactly once: in a fresh transaction, claims its key and, when the claim
+    /// is new, runs the handler and commits both. Returns [`Outcome::Skip`] for a duplicate, in
+    /// which case the handler did not run.
+    ///
+    /// `delivery` is what the handler and its `key` expression see of the message's transport:
+    /// in a test, [`Delivery::new`](crate::Delivery::new) with the headers the case needs. Its
+    /// `Nats-Msg-Id` is the key when the handler has no `key` expression.
+    pub async fn process<H: Handler<Db = DB>>(
+        &self,
+        handler: &H,
+        state: &H::State,
+        message: H::Message,
+        delivery: &Delivery,
+    ) -> Result<Outcome, ProcessError> {
+        let key = message_key(handler, state, &message, delivery)?;
+        let span = tracing::debug_span!("inbox.tx", consumer = H::CONSUMER, key = %key);
+        self.process_keyed(handler, state, message, delivery, &key)
+            .instrument(span)
+            .await
+    }
+
+    /// [`Inbox::process`] with the key already computed and validated.
+    pub(crate) async fn process_keyed<H: Handler<Db = DB>>(
+        &self,
+        handler: &H,
+        state: &H::State,
+        message: H::Message,
+        delivery: &Delivery,
+        key: &str,
+    ) -> Result<Outcome, ProcessError> {
+        // Whatever the handler wrote for a background task (an outbox row, for its relay) wakes
+        // that task once this ends.
+        // Boxed: the processing future (a two-phase claim's above all) is large, and moving it
+        // through the scope's layers by value overflowed a worker thread's stack in debug
+        // builds.
+        let work = Box::pin(self.process_keyed_now(handler, state, message, delivery, key));
+        crate::wake::scope(work).await
+    }
+
+    async fn process_keyed_now<H: Handler<Db = DB>>(
+        &self,
+        handler: &H,
+        state: &H::State,
+        message: H::Message,
+        delivery: &Delivery,
+        key: &str,
+    ) -> Result<Outcome, ProcessError> {
+        if H::TWO_PHASE {
+            return self
+                .process_claimed(handler, state, message, delivery, key)
+                .await;
+        }
+        let mut tx = DB::begin(&self.pool, self.sql.begin.clone())
+            .await
+            .map_err(|source| ProcessError::Database {
+                stage: Stage::Begin,
+                source,
+            })?;
+        let processed = self
+            .process_in(&mut tx, handler, state, message, delivery, key)
+            .await;
+        match processed {
+            Ok(Outcome::Ack) => match tx.commit().await {
+                Ok(()) => Ok(Outcome::Ack),
+                Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
+            },
+            other => {
+                // A duplicate wrote nothing and a failure must leave nothing: roll back now
+                // rather than on drop, so that the connection returns to the pool clean.
+                if let Err(e) = tx.rollback().await {
+                    tracing::debug!(error = %e, "rollback failed; the connection is discarded");
+                }
+                other
+            }
+        }
+    }
+
+    /// COMMIT failed with `source`, and its outcome is unknown: the connection may have been
+    /// lost after the server committed, on the reply's way back. The marker, looked up on
+    /// another connection, decides: committed, the message is done ([`Outcome::Ack`]; its effect
+    /// is committed once, by this transaction or a twin's); absent, or not to be looked up, the
+    /// failure stands and is retried (where the claim decides again).
+    pub(crate) async fn after_failed_commit(
+        &self,
+        consumer: &str,
+        key: &str,
+        source: sqlx::Error,
+    ) -> Result<Outcome, ProcessError> {
+        let done = async {
+            let mut conn = self.pool.acquire().await?;
+            DB::fetch_id(&mut conn, self.sql.done.clone(), consumer, key).await
+        };
+        match done.await {
+            Ok(Some(_)) => {
+                tracing::info!(error = %source, "COMMIT reported an error, but the marker is committed");
+                Ok(Outcome::Ack)
+            }
+            Ok(None) => Err(ProcessError::Database {
+                stage: Stage::Commit,
+                source,
+            }),
+            Err(lookup) => {
+                tracing::debug!(error = %lookup, "looking the marker up after a failed COMMIT failed");
+                Err(ProcessError::Database {
+                    stage: Stage::Commit,
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Claims `key` and runs the handler inside `tx`, a transaction (or savepoint) the caller owns
+    /// and commits. On [`Outcome::Skip`] or an error the caller must roll `tx` back. A two-phase
+    /// handler cannot run in a caller's transaction (its claim commits first):
+    /// [`ProcessError::TwoPhaseInTransaction`].
+    pub async fn process_in<'c, H: Handler<Db = DB>>(
+        &self,
+        tx: &mut Transaction<'c, DB>,
+        handler: &H,
+        state: &H::State,
+        message: H::Message,
+        delivery: &Delivery,
+        key: &str,
+    ) -> Result<Outcome, ProcessError> {
+        if H::TWO_PHASE {
+            return Err(ProcessError::TwoPhaseInTransaction(H::CONSUMER));
+        }
+        let claim = DB::claim(tx, self.sql.claim.clone(), H::CONSUMER, key)
+            .await
+            .map_err(|source| ProcessError::Database {
+                stage: Stage::Claim,
+                source,
+            })?;
+        let Claimed::New(id) = claim else {
+            return Ok(Outcome::Skip);
+        };
+        handler
+            .handle(message, delivery, tx, state)
+            .await
+            .map_err(|e| ProcessError::Handler(e.into()))?;
+        // processed_at says when the effect was done; it commits with the effect or not at all.
+        let finished = DB::execute_id(&mut **tx, self.sql.finish.clone(), id)
+            .await
+            .map_err(|source| ProcessError::Database {
+                stage: Stage::Finish,
+                source,
+            })?;
+        // The marker this transaction inserted is gone: never commit as if it were done. Not a
+        // transient error (a retry would not bring it back); redelivery leaves time to look.
+        match DB::rows_affected(&finished) {
+            0 => Err(ProcessError::Database {
+                stage: Stage::Finish,
+                source: sqlx::Error::RowNotFound,
+            }),
+            _ => Ok(Outcome::Ack),
+        }
+    }
+}

@@ -1,0 +1,377 @@
+//! The start-time check: from the consumer's configuration alone (pure, testable without a
+//! server), whether it can be served and with which settings. A consumer that would break a
+//! guarantee later is refused here, with an error naming the problem.
+
+use super::WorkerError;
+use super::builder::AckMode;
+use super::dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
+use super::upkeep::Schedule;
+use super::verdict::Limits;
+use crate::backoff::Backoff;
+use crate::store::retention_floor;
+use async_nats::jetstream::consumer::{self, AckPolicy};
+use async_nats::jetstream::stream;
+use std::time::Duration;
+
+/// The sweeper of a two-phase handler's open claims: see [`WorkerBuilder::sweep`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Sweep {
+    /// How often it looks.
+    pub every: Duration,
+    /// A claim open (not done) this long after it was first taken is reported.
+    pub older_than: Duration,
+}
+
+/// What the user asked for; defaults in [`Options::default`].
+#[derive(Debug, Clone)]
+pub(crate) struct Options {
+    pub concurrency: Option<usize>,
+    pub batch: Option<Batching>,
+    pub ack_mode: AckMode,
+    pub fetch_expiry: Duration,
+    pub deadline: Duration,
+    pub nak_delay: Backoff,
+    pub attempts: u32,
+    pub dead_letter_stream: String,
+    pub dead_letter_prefix: String,
+    pub cleanup: Option<(Duration, stream::Config)>,
+    pub unlimited_age_ok: bool,
+    pub cleanup_margin: Duration,
+    pub cleanup_every: Duration,
+    /// The sweeper's period and threshold; the threshold defaults to 5 × `ack_wait`.
+    pub sweep: (Duration, Option<Duration>),
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            concurrency: None,
+            batch: None,
+            ack_mode: AckMode::default(),
+            fetch_expiry: Duration::from_secs(2),
+            deadline: DEFAULT_DEADLINE,
+            nak_delay: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
+            attempts: 3,
+            dead_letter_stream: DEFAULT_DLQ_STREAM.to_owned(),
+            dead_letter_prefix: DEFAULT_DLQ_PREFIX.to_owned(),
+            cleanup: None,
+            unlimited_age_ok: false,
+            cleanup_margin: Duration::from_secs(3600),
+            cleanup_every: Duration::from_secs(60),
+            sweep: (Duration::from_secs(60), None),
+        }
+    }
+}
+
+/// The settings a worker runs with, once [`check`] accepted the consumer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Settings {
+    /// Messages in flight at most.
+    pub concurrency: usize,
+    /// Database connections in use at most: the concurrency asked for (capped at the pool);
+    /// batched, each batch (or message served alone) takes one, so `concurrency` is this times
+    /// the batch size.
+    pub connections: usize,
+    pub ack_mode: AckMode,
+    /// How long a pull request stays open: at most the consumer's `max_expires`.
+    pub fetch_expiry: Duration,
+    /// The most messages one pull request asks for: the consumer's `max_batch`, if it has one.
+    pub max_batch: usize,
+    /// Batched commits, when asked for.
+    pub batch: Option<Batching>,
+    /// How long one try of a delivery may take.
+    pub deadline: Duration,
+    /// Progress acks while a handler runs longer than this (a third of `ack_wait`).
+    pub progress_every: Duration,
+    pub limits: Limits,
+    pub cleanup: Option<Schedule>,
+    /// The sweeper of open claims (two-phase handlers only; set by `build`).
+    pub sweep: Option<Sweep>,
+}
+
+/// Batched commits: see [`WorkerBuilder::batch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Batching {
+    /// The most messages in one transaction.
+    pub max_messages: usize,
+    /// How long a batch waits for more messages after its first.
+    pub max_wait: Duration,
+}
+
+/// How long one try of a delivery may take by default: see [`WorkerBuilder::deadline`].
+pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
+
+/// The `ack_wait` the server applies when the consumer leaves it at zero.
+const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// Checks consumer `name` with `config` for `handler_consumer` (the handler's `CONSUMER`) on a
+/// pool of `pool_size` connections, and derives the worker's settings.
+pub(crate) fn check(
+    options: &Options,
+    name: &str,
+    config: &consumer::Config,
+    handler_consumer: &str,
+    pool_size: usize,
+) -> Result<Settings, WorkerError> {
+    if config.ack_policy != AckPolicy::Explicit {
+        return Err(WorkerError::AckPolicy {
+            consumer: name.to_owned(),
+            policy: config.ack_policy,
+        });
+    }
+    if options.concurrency == Some(0) {
+        return Err(WorkerError::ZeroConcurrency);
+    }
+    if config.max_deliver <= 0 {
+        return Err(WorkerError::UnboundedMaxDeliver {
+            consumer: name.to_owned(),
+        });
+    }
+    if !is_subject_token(handler_consumer) {
+        return Err(WorkerError::ConsumerName {
+            name: handler_consumer.to_owned(),
+        });
+    }
+    // Never more in flight than connections to process them on, nor than the server lets
+    // wait for acks: prefetching more than can be processed within ack_wait turns into
+    // redelivery storms.
+    let mut concurrency = options.concurrency.unwrap_or(pool_size).min(pool_size);
+    let connections = concurrency.max(1);
+    // Batched, a connection serves a batch at a time.
+    if let Some(batch) = options.batch {
+        concurrency = concurrency.saturating_mul(batch.max_messages);
+    }
+    if config.max_ack_pending > 0 {
+        concurrency = concurrency.min(config.max_ack_pending as usize);
+    }
+    let ack_wait = ack_wait_of(config);
+    let limits = Limits {
+        max_deliver: config.max_deliver,
+        backoff: config.backoff.clone(),
+        nak_delay: options.nak_delay,
+        attempts: options.attempts.max(1),
+        retry_wait: Backoff::new(Duration::from_millis(100), Duration::from_secs(2)).with_jitter(),
+    };
+    let cleanup = match &options.cleanup {
+        None => None,
+        Some((retention, stream)) => {
+            let keeps_forever =
+                stream.max_age.is_zero() && stream.retention == stream::RetentionPolicy::Limits;
+            if keeps_forever && !options.unlimited_age_ok {
+                return Err(WorkerError::UnlimitedStreamAge {
+                    stream: stream.name.clone(),
+                });
+            }
+            let floor =
+                retention_floor(config, stream, limits.longest_nak(), options.cleanup_margin);
+            if *retention < floor.total() {
+                return Err(WorkerError::RetentionTooShort {
+                    retention: *retention,
+                    floor,
+                });
+            }
+            Some(Schedule {
+                retention: *retention,
+                every: options.cleanup_every,
+            })
+        }
+    };
+    Ok(Settings {
+        concurrency: concurrency.max(1),
+        connections,
+        ack_mode: options.ack_mode,
+        fetch_expiry: match config.max_expires {
+            d if d.is_zero() => options.fetch_expiry,
+            d => options.fetch_expiry.min(d),
+        },
+        batch: options.batch,
+        max_batch: match config.max_batch {
+            n if n > 0 => n as usize,
+            _ => usize::MAX,
+        },
+        deadline: options.deadline,
+        progress_every: (ack_wait / 3).max(Duration::from_millis(100)),
+        limits,
+        cleanup,
+        sweep: None,
+    })
+}
+
+/// The `ack_wait` the server applies to `config`.
+pub(super) fn ack_wait_of(config: &consumer::Config) -> Duration {
+    match config.ack_wait {
+        d if d.is_zero() => DEFAULT_ACK_WAIT,
+        d => d,
+    }
+}
+
+/// Whether `name` can stand as one token of a NATS subject.
+fn is_subject_token(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_graphic() && !matches!(b, b'.' | b'*' | b'>'))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> consumer::Config {
+        consumer::Config {
+            ack_policy: AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_deliver: 5,
+            ..Default::default()
+        }
+    }
+
+    fn checked(options: &Options, config: &consumer::Config) -> Result<Settings, WorkerError> {
+        check(options, "c", config, "credit", 8)
+    }
+
+    #[test]
+    fn explicit_acks_and_a_finite_max_deliver_are_required() {
+        let o = Options::default();
+        let all = consumer::Config {
+            ack_policy: AckPolicy::All,
+            ..config()
+        };
+        assert!(matches!(
+            checked(&o, &all),
+            Err(WorkerError::AckPolicy { .. })
+        ));
+        let forever = consumer::Config {
+            max_deliver: -1,
+            ..config()
+        };
+        let err = checked(&o, &forever).unwrap_err();
+        assert!(
+            matches!(err, WorkerError::UnboundedMaxDeliver { .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("max_deliver"), "{err}");
+        assert!(checked(&o, &config()).is_ok());
+    }
+
+    #[test]
+    fn the_consumer_name_must_be_a_subject_token() {
+        let o = Options::default();
+        for bad in ["", "a b", "a.b", "a*", ">", "tab\t"] {
+            let err = check(&o, "c", &config(), bad, 8).unwrap_err();
+            assert!(matches!(err, WorkerError::ConsumerName { .. }), "{bad:?}");
+        }
+        assert!(check(&o, "c", &config(), "credit-v2_x", 8).is_ok());
+    }
+
+    #[test]
+    fn concurrency_is_capped_by_the_pool_and_max_ack_pending() {
+        let mut o = Options::default();
+        assert_eq!(checked(&o, &config()).unwrap().concurrency, 8);
+        o.concurrency = Some(4);
+        assert_eq!(checked(&o, &config()).unwrap().concurrency, 4);
+        o.concurrency = Some(20);
+        assert_eq!(checked(&o, &config()).unwrap().concurrency, 8);
+        let few_pending = consumer::Config {
+            max_ack_pending: 3,
+            ..config()
+        };
+        assert_eq!(checked(&o, &few_pending).unwrap().concurrency, 3);
+        o.concurrency = Some(0);
+        assert!(matches!(
+            checked(&o, &config()),
+            Err(WorkerError::ZeroConcurrency)
+        ));
+    }
+
+    #[test]
+    fn progress_acks_every_third_of_ack_wait() {
+        let s = checked(&Options::default(), &config()).unwrap();
+        assert_eq!(s.progress_every, Duration::from_secs(10));
+        let long = consumer::Config {
+            ack_wait: Duration::from_secs(60),
+            ..config()
+        };
+        let s = checked(&Options::default(), &long).unwrap();
+        assert_eq!(s.progress_every, Duration::from_secs(20));
+        let unset = consumer::Config {
+            ack_wait: Duration::ZERO,
+            ..config()
+        };
+        let s = checked(&Options::default(), &unset).unwrap();
+        assert_eq!(s.progress_every, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn cleanup_on_a_stream_that_keeps_messages_forever_is_refused_unless_allowed() {
+        let forever = stream::Config {
+            name: "ORDERS".into(),
+            ..Default::default()
+        };
+        let mut o = Options {
+            cleanup: Some((Duration::from_secs(365 * 86400), forever.clone())),
+            ..Options::default()
+        };
+        let err = checked(&o, &config()).unwrap_err();
+        assert!(
+            matches!(&err, WorkerError::UnlimitedStreamAge { stream } if stream == "ORDERS"),
+            "{err}"
+        );
+        let text = err.to_string();
+        assert!(text.contains("max_age"), "{text}");
+        assert!(text.contains("allow_unlimited_stream_age"), "{text}");
+        o.unlimited_age_ok = true;
+        assert!(checked(&o, &config()).is_ok());
+        // A work queue or interest stream removes what was acked: nothing old to replay.
+        o.unlimited_age_ok = false;
+        let work_queue = stream::Config {
+            retention: stream::RetentionPolicy::WorkQueue,
+            ..forever
+        };
+        o.cleanup = Some((Duration::from_secs(365 * 86400), work_queue));
+        assert!(checked(&o, &config()).is_ok());
+    }
+
+    #[test]
+    fn a_retention_below_the_floor_is_refused_naming_each_figure() {
+        let stream = stream::Config {
+            duplicate_window: Duration::from_secs(120),
+            ..Default::default()
+        };
+        let mut o = Options {
+            cleanup_margin: Duration::from_secs(60),
+            unlimited_age_ok: true,
+            ..Options::default()
+        };
+        // ack_wait 30 s × max_deliver 5 + duplicate window 120 s + margin 60 s = 330 s.
+        o.cleanup = Some((Duration::from_secs(329), stream.clone()));
+        let err = checked(&o, &config()).unwrap_err();
+        let text = err.to_string();
+        for figure in [
+            "ack_wait 30s",
+            "max_deliver 5",
+            "duplicate window 120s",
+            "= 330s",
+        ] {
+            assert!(text.contains(figure), "{figure:?} missing from: {text}");
+        }
+        o.cleanup = Some((Duration::from_secs(330), stream.clone()));
+        let schedule = checked(&o, &config()).unwrap().cleanup.unwrap();
+        assert_eq!(schedule.retention, Duration::from_secs(330));
+
+        // A delivery can stay unacked for as long as the longest nak asks, when that exceeds
+        // ack_wait: the consumer's backoff (60 s × 5 + backoff sum 65 s + 120 s + 60 s = 545 s).
+        let backoff = consumer::Config {
+            backoff: vec![Duration::from_secs(5), Duration::from_secs(60)],
+            ..config()
+        };
+        o.cleanup = Some((Duration::from_secs(544), stream.clone()));
+        let err = checked(&o, &backoff).unwrap_err().to_string();
+        assert!(err.contains("= 545s"), "{err}");
+        // Or our own nak delay, when the consumer has no backoff (90 s × 5 + 120 s + 60 s).
+        o.nak_delay = Backoff::new(Duration::from_secs(1), Duration::from_secs(90));
+        o.cleanup = Some((Duration::from_secs(629), stream));
+        let err = checked(&o, &config()).unwrap_err().to_string();
+        assert!(err.contains("= 630s"), "{err}");
+    }
+}
