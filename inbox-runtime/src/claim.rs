@@ -9,7 +9,7 @@ use sqlx::{Pool, SqlStr, Transaction};
 use std::fmt;
 use std::time::Duration;
 
-/// How long a two-phase claim's lease lasts by default: see [`Inbox::lease`].
+/// How long a two-phase claim's lease lasts by default: see [`Inbox::lease`](crate::Inbox::lease).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(10);
 
 /// What a two-phase handler (`#[idempotent(.., claim)]`) is given: the key, the idempotency key
@@ -126,8 +126,9 @@ pub fn idempotency_key(table: &TableName, consumer: &str, key: &str) -> String {
 }
 
 /// A claim left open: its owner died, its side effect failed on the last delivery, or it is
-/// still running. See [`Inbox::open_claims`].
+/// still running. See [`Inbox::open_claims`](crate::Inbox::open_claims).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OpenClaim {
     /// The message's key.
     pub key: String,

@@ -10,6 +10,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// The step of the inbox protocol at which the database failed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Stage {
     /// Opening the transaction.
     Begin,
@@ -34,6 +35,7 @@ impl fmt::Display for Stage {
 
 /// Why a message was not processed. Nothing was committed in any of these cases.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ProcessError {
     /// The payload does not decode as the handler's message type. Permanent.
     #[error("payload does not decode as {ty} ({codec}): {source}")]
@@ -96,7 +98,7 @@ pub enum ProcessError {
         fence: i64,
     },
     /// A two-phase handler (consumer named) was run in a caller's transaction
-    /// ([`Inbox::process_in`]), where its claim cannot commit on its own. Permanent.
+    /// ([`Inbox::process_in`](crate::Inbox::process_in)), where its claim cannot commit on its own. Permanent.
     #[error(
         "handler for consumer {0:?} is two-phase (`claim`): it runs through Inbox::process or a worker, not in a caller's transaction"
     )]

@@ -72,7 +72,8 @@ pub trait Handler: Send + Sync + 'static {
 
     /// The message's dedup key, computed from borrows of the message and its delivery before the
     /// body runs; `Ok(None)` means "use the transport's id" (JetStream: `Nats-Msg-Id`, else
-    /// `stream:sequence`), an error that the message has no usable key (permanent).
+    /// `"{stream}:{created}:{stream_sequence}"`: see [`transport_id`](crate::transport_id)), an
+    /// error that the message has no usable key (permanent).
     fn key(
         &self,
         message: &Self::Message,

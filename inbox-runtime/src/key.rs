@@ -85,6 +85,7 @@ impl ToMessageKey for uuid::Uuid {
 
 /// Why a key cannot be stored.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum KeyError {
     /// The key is the empty string.
     #[error("the message key is empty")]

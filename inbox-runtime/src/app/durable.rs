@@ -36,7 +36,7 @@ pub fn recommended_consumer(durable: &str, subject: &str) -> pull::Config {
     }
 }
 
-/// Which durable consumer a handler of an [`App`] serves, and whether the app creates it.
+/// Which durable consumer a handler of an [`App`](crate::App) serves, and whether the app creates it.
 #[derive(Debug, Clone)]
 pub struct Durable {
     pub(super) stream: String,

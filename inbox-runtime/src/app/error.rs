@@ -3,8 +3,9 @@
 use crate::outbox::RelayError;
 use crate::worker::WorkerError;
 
-/// Why an [`App`] did not start. Nothing was consumed.
+/// Why an [`App`](crate::App) did not start. Nothing was consumed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AppError {
     /// Two handlers registered with one `consumer` name: each would skip the other's messages
     /// as duplicates.

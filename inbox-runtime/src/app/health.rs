@@ -4,8 +4,8 @@ use futures::future::BoxFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Whether an [`App`] can do its work: NATS connected, the database answering, every handler's
-/// worker running. Cheap to clone; take it with [`App::health`] before running the app, and
+/// Whether an [`App`](crate::App) can do its work: NATS connected, the database answering, every handler's
+/// worker running. Cheap to clone; take it with [`App::health`](crate::App::health) before running the app, and
 /// serve [`Health::check`] on a probe (`/healthz`), as the examples do.
 #[derive(Clone)]
 pub struct Health {
@@ -31,6 +31,7 @@ impl std::fmt::Debug for Health {
 
 /// What [`Health::check`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
 pub struct HealthReport {
     /// The NATS connection is up.
     pub nats: bool,

@@ -21,6 +21,7 @@ const MAX_TABLE_LEN: usize = 48;
 #[error(
     "invalid inbox table name {name:?}: use 1 to {MAX_TABLE_LEN} ASCII letters, digits or `_`, not starting with a digit"
 )]
+#[non_exhaustive]
 pub struct InvalidTableName {
     /// The rejected name.
     pub name: String,

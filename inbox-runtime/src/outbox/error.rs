@@ -4,6 +4,7 @@ use std::time::Duration;
 
 /// Why a relay refuses a stream, or a pass failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RelayError {
     /// The stream acknowledges before it has stored a message: marking rows sent on its PubAck
     /// could lose them.

@@ -5,7 +5,7 @@ use serde::Serialize;
 /// The longest message id and order key the outbox stores.
 pub const MAX_ID_LEN: usize = 255;
 
-/// A message to publish through an [`Outbox`]: its subject, payload and headers, and optionally
+/// A message to publish through an [`Outbox`](crate::Outbox): its subject, payload and headers, and optionally
 /// its id and ordering key.
 ///
 /// ```
@@ -130,10 +130,11 @@ fn publish_subject(subject: &str) -> Result<(), &'static str> {
     Ok(())
 }
 
-/// A message [`Outbox::enqueue`] refuses, before anything is written: NATS would never take it,
+/// A message [`Outbox::enqueue`](crate::Outbox::enqueue) refuses, before anything is written: NATS would never take it,
 /// and the row would stay pending for ever. A permanent error for the handler (its message is
 /// dead-lettered).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum InvalidMessage {
     /// Not a subject a message can be published to.
     #[error("outbox message subject {subject:?} is not valid: {why}")]

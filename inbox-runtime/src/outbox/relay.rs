@@ -30,6 +30,7 @@ const DEFAULT_RELAY_LEASE: Duration = Duration::from_secs(30);
 
 /// What a relay did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RelayStats {
     /// Rows JetStream stored (a new message).
     pub published: u64,

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 /// The smallest safe retention for one consumer, and the figures it is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetentionFloor {
     /// The longest one delivery can stay unacknowledged: the consumer's `ack_wait`, or the
     /// worker's longest nak delay when that is longer.
@@ -133,6 +134,7 @@ impl<DB: InboxBackend> Inbox<DB> {
 
 /// Why a consumer-following cleanup pass did not run to the end.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CleanupError {
     /// The consumer's progress could not be read from JetStream: nothing was deleted.
     #[error("reading the progress of consumer {durable:?}: {source}")]

@@ -98,7 +98,7 @@ pub(crate) struct Batching {
     pub max_wait: Duration,
 }
 
-/// How long one try of a delivery may take by default: see [`WorkerBuilder::deadline`].
+/// How long one try of a delivery may take by default: see [`WorkerBuilder::deadline`](crate::WorkerBuilder::deadline).
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
 
 /// The `ack_wait` the server applies when the consumer leaves it at zero.

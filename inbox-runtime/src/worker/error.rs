@@ -6,6 +6,7 @@ use std::time::Duration;
 
 /// A consumer that cannot be served.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum WorkerError {
     /// The consumer does not use explicit acks, so nothing ties an ack to a commit.
     #[error(

@@ -42,6 +42,7 @@ use tokio_util::task::TaskTracker;
 
 /// A snapshot of a worker's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Stats {
     /// Messages whose effect this worker committed.
     pub acked: u64,
