@@ -8,17 +8,15 @@
 //! any other status is permanent (dead-lettered at once). Several processes may run on one
 //! durable consumer: the claim's lease and fence decide which one calls.
 
-use crate::{
-    ConsumerSpec, Error, RETENTION, StartError, Vars, db_start_error, jetstream_consumer, redact,
-    server_pool, until_up,
+use crate::startup::{
+    Backends, ConsumerSpec, DatabaseSpec, Example, jetstream_consumer, start_database, until_up,
 };
+use crate::{Error, RETENTION, Vars, redact};
 use inbox_runtime::{
     App, BoxError, Claim, Durable, Handler, Inbox, Permanent, Stats, Transient, idempotent,
-    sqlite_options,
 };
 use serde::{Deserialize, Serialize};
-use sqlx::pool::PoolOptions;
-use sqlx::{MySql, Postgres, Sqlite};
+use sqlx::{MySql, Pool, Postgres, Sqlite};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -250,79 +248,50 @@ pub async fn run(config: &EmailConfig, shutdown: CancellationToken) -> Result<St
     };
     let mut api = Api::new(&config.api_url, Duration::from_secs(30))?;
     api.hold_before_call = config.hold_before_call;
-    let url = config.database_url.as_str();
-    let shown = redact::url(url);
-    let scheme = url.split_once(':').map_or("", |(s, _)| s);
-    let bad_url = |e: sqlx::Error| format!("DATABASE_URL {shown}: {e}");
+    let database = DatabaseSpec {
+        url: &config.database_url,
+        server_pool: config.concurrency,
+        // Claims, renewals and completions are short writes, serialised by SQLite's write
+        // lock; the calls between them run side by side.
+        sqlite_pool: config.concurrency,
+    };
     let on = Serve {
         config,
         jetstream,
         stream: &stream,
-        database: &shown,
-        shutdown,
+        shutdown: shutdown.clone(),
         api,
     };
-    let size = config.concurrency;
-    match scheme {
-        "postgres" | "postgresql" => {
-            let options = url.parse().map_err(bad_url)?;
-            on.serve(server_pool::<Postgres>(size), options, email_postgres)
-                .await
-        }
-        "mysql" | "mariadb" => {
-            let options = url.parse().map_err(bad_url)?;
-            on.serve(server_pool::<MySql>(size), options, email_mysql)
-                .await
-        }
-        "sqlite" => {
-            let options = sqlite_options(url).map_err(bad_url)?;
-            // Claims, renewals and completions are short writes, serialised by SQLite's write
-            // lock; the calls between them run side by side.
-            let pool = PoolOptions::<Sqlite>::new()
-                .max_connections(size)
-                .test_before_acquire(false);
-            on.serve(pool, options, email_sqlite).await
-        }
-        _ => Err(format!(
-            "DATABASE_URL {shown} is not supported: use postgres://, mysql:// (or mariadb://) or sqlite://"
-        )
-        .into()),
-    }
+    let parts = Backends {
+        postgres: email_postgres,
+        mysql: email_mysql,
+        sqlite: email_sqlite,
+    };
+    let stats = start_database(&database, &shutdown, on, parts).await?;
+    Ok(stats.unwrap_or_default())
 }
 
+/// Where the handler runs, once NATS is up.
 struct Serve<'a> {
     config: &'a EmailConfig,
     jetstream: async_nats::jetstream::Context,
     stream: &'a async_nats::jetstream::stream::Stream,
-    database: &'a str,
     shutdown: CancellationToken,
     api: Api,
 }
 
-impl Serve<'_> {
-    async fn serve<H>(
-        self,
-        pool: PoolOptions<H::Db>,
-        options: <<H::Db as sqlx::Database>::Connection as sqlx::Connection>::Options,
-        handler: H,
-    ) -> Result<Stats, Error>
-    where
-        H: Handler<State = Api>,
-    {
-        let shown = self.database;
-        let connect = || {
-            let pool = pool.clone().connect_with(options.clone());
-            async move {
-                pool.await
-                    .map_err(|e| db_start_error::<H::Db>(shown, e))
-                    .map_err(|e: StartError| e)
-            }
-        };
-        let Some(pool) = until_up("the database", &self.shutdown, connect).await? else {
-            return Ok(Stats::default());
-        };
-        let inbox = Inbox::new(pool.clone()).lease(self.config.lease);
-        inbox.migrate().await?;
+/// `Part`: the backend's `email_*`.
+impl<H: Handler<State = Api>> Example<H> for Serve<'_> {
+    type Db = H::Db;
+    type Output = Stats;
+
+    /// None: the claims are the inbox's.
+    async fn create_tables(_: &H, _: &Pool<H::Db>) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    async fn run(self, handler: H, inbox: Inbox<H::Db>) -> Result<Stats, Error> {
+        let inbox = inbox.lease(self.config.lease);
         let durable =
             Durable::existing(&self.stream.cached_info().config.name, &self.config.durable);
         let stream = self.stream.clone();
@@ -336,7 +305,6 @@ impl Serve<'_> {
             crate::observe::serve(addr, app.health()).await?;
         }
         let stats = app.run_until(self.shutdown).await?;
-        pool.close().await;
         Ok(crate::orders::total(&stats))
     }
 }

@@ -11,7 +11,8 @@
 //! Both durable consumers, and the stream, are created at start with
 //! [`inbox_runtime::recommended_consumer`]. SIGINT or SIGTERM drains both handlers.
 
-use crate::{Error, Vars, db_start_error, redact, server_pool, until_up};
+use crate::startup::{Backends, DatabaseSpec, Example, connect_nats, start_database, until_up};
+use crate::{Error, Vars, redact};
 use inbox_runtime::{App, AppStats, Durable, Handler, Inbox, Stats};
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -264,86 +265,66 @@ impl OrdersConfig {
 /// cancelled), creates the tables, migrates the inbox, and runs both handlers on one [`App`]
 /// until SIGINT or SIGTERM. Returns each handler's counters.
 pub async fn run(config: &OrdersConfig, startup: CancellationToken) -> Result<AppStats, Error> {
-    let connect_nats = || crate::connect_nats(&config.nats_url, &config.nats_auth);
-    let Some(client) = until_up("NATS", &startup, connect_nats).await? else {
+    let connect = || connect_nats(&config.nats_url, &config.nats_auth);
+    let Some(client) = until_up("NATS", &startup, connect).await? else {
         return Ok(AppStats::new());
     };
     let js = async_nats::jetstream::new(client);
-    let shown = redact::url(&config.database_url);
-    let scheme = config.database_url.split_once(':').map_or("", |(s, _)| s);
-    let url = config.database_url.as_str();
-    let bad_url = |e: sqlx::Error| format!("DATABASE_URL {shown}: {e}");
-    let on = Serve {
-        config,
-        js,
-        shown: &shown,
-        startup,
+    let database = DatabaseSpec {
+        url: &config.database_url,
+        server_pool: config.pool,
+        // One writer at a time: a connection per handler is all SQLite can use.
+        sqlite_pool: 2,
     };
-    match scheme {
-        "postgres" | "postgresql" => {
-            let pool = server_pool::<sqlx::Postgres>(config.pool);
-            let options = url.parse().map_err(bad_url)?;
-            on.serve(pool, options, postgres::create_tables, (postgres::place_order, postgres::adjust_stock))
-                .await
-        }
-        "mysql" | "mariadb" => {
-            let pool = server_pool::<sqlx::MySql>(config.pool);
-            let options = url.parse().map_err(bad_url)?;
-            on.serve(pool, options, mysql::create_tables, (mysql::place_order, mysql::adjust_stock))
-                .await
-        }
-        "sqlite" => {
-            // One writer at a time: a connection per handler is all SQLite can use.
-            let pool = sqlx::pool::PoolOptions::<sqlx::Sqlite>::new()
-                .max_connections(2)
-                .test_before_acquire(false);
-            let options = inbox_runtime::sqlite_options(url).map_err(bad_url)?;
-            on.serve(pool, options, sqlite::create_tables, (sqlite::place_order, sqlite::adjust_stock))
-                .await
-        }
-        _ => Err(format!(
-            "DATABASE_URL {shown} is not supported: use postgres://, mysql:// (or mariadb://) or sqlite://"
-        )
-        .into()),
-    }
+    let parts = Backends {
+        postgres: (
+            postgres::create_tables,
+            (postgres::place_order, postgres::adjust_stock),
+        ),
+        mysql: (
+            mysql::create_tables,
+            (mysql::place_order, mysql::adjust_stock),
+        ),
+        sqlite: (
+            sqlite::create_tables,
+            (sqlite::place_order, sqlite::adjust_stock),
+        ),
+    };
+    let on = Serve { config, js };
+    let stats = start_database(&database, &startup, on, parts).await?;
+    Ok(stats.unwrap_or_default())
 }
 
 /// Where the app runs, once NATS is up.
 struct Serve<'a> {
     config: &'a OrdersConfig,
     js: async_nats::jetstream::Context,
-    /// `DATABASE_URL`, redacted.
-    shown: &'a str,
-    startup: CancellationToken,
 }
 
-impl Serve<'_> {
-    /// Opens the pool (waiting out a database that is down), creates the tables, migrates the
-    /// inbox, and runs both handlers on one [`App`] until SIGINT or SIGTERM.
-    async fn serve<DB, O, I>(
-        self,
-        pool: sqlx::pool::PoolOptions<DB>,
-        options: <DB::Connection as sqlx::Connection>::Options,
-        create_tables: impl AsyncFnOnce(&sqlx::Pool<DB>) -> Result<(), sqlx::Error>,
-        (orders, inventory): (O, I),
-    ) -> Result<AppStats, Error>
-    where
-        DB: inbox_runtime::InboxBackend,
-        O: Handler<Db = DB, State = Arc<Shop>>,
-        I: Handler<Db = DB, State = Arc<Shop>>,
-    {
-        let (config, shown) = (self.config, self.shown);
-        let connect = || {
-            let pool = pool.clone().connect_with(options.clone());
-            async move { pool.await.map_err(|e| db_start_error::<DB>(shown, e)) }
-        };
-        let Some(pool) = until_up("the database", &self.startup, connect).await? else {
-            return Ok(AppStats::new());
-        };
-        create_tables(&pool).await?;
-        let inbox = Inbox::new(pool.clone());
-        inbox.migrate().await?;
+/// `Part`: the backend's `create_tables`, and its `place_order` and `adjust_stock`.
+impl<C, O, I> Example<(C, (O, I))> for Serve<'_>
+where
+    C: AsyncFn(&sqlx::Pool<O::Db>) -> Result<(), sqlx::Error>,
+    O: Handler<State = Arc<Shop>>,
+    I: Handler<Db = O::Db, State = Arc<Shop>>,
+{
+    type Db = O::Db;
+    type Output = AppStats;
 
+    async fn create_tables(
+        (create_tables, _): &(C, (O, I)),
+        pool: &sqlx::Pool<O::Db>,
+    ) -> Result<(), sqlx::Error> {
+        create_tables(pool).await
+    }
+
+    /// Runs both handlers on one [`App`] until SIGINT or SIGTERM.
+    async fn run(
+        self,
+        (_, (orders, inventory)): (C, (O, I)),
+        inbox: Inbox<O::Db>,
+    ) -> Result<AppStats, Error> {
+        let config = self.config;
         let shop = Arc::new(Shop { hold: config.hold });
         let stream = async_nats::jetstream::stream::Config {
             subjects: vec![format!("{}.>", config.prefix)],
@@ -360,9 +341,7 @@ impl Serve<'_> {
         if let Some(addr) = config.metrics {
             crate::observe::serve(addr, app.health()).await?;
         }
-        let stats = app.run().await?;
-        pool.close().await;
-        Ok(stats)
+        Ok(app.run().await?)
     }
 }
 

@@ -7,7 +7,8 @@
 //! - The stream (`STATEMENTS_STREAM`, default `CREDIT_EVENTS`) is created when missing, as
 //!   `credit` creates it; the durable consumer with [`inbox_runtime::recommended_consumer`].
 
-use crate::{CreditApplied, Error, Vars, db_start_error, redact, server_pool, until_up};
+use crate::startup::{Backends, DatabaseSpec, Example, connect_nats, start_database, until_up};
+use crate::{CreditApplied, Error, Vars, redact};
 use inbox_runtime::{App, AppStats, Durable, Handler, Inbox};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -156,80 +157,50 @@ impl StatementsConfig {
 /// cancelled), creates the table, migrates the inbox, and runs the handler on an [`App`] until
 /// SIGINT or SIGTERM.
 pub async fn run(config: &StatementsConfig, startup: CancellationToken) -> Result<AppStats, Error> {
-    let connect_nats = || crate::connect_nats(&config.nats_url, &config.nats_auth);
-    let Some(client) = until_up("NATS", &startup, connect_nats).await? else {
+    let connect = || connect_nats(&config.nats_url, &config.nats_auth);
+    let Some(client) = until_up("NATS", &startup, connect).await? else {
         return Ok(AppStats::new());
     };
     let js = async_nats::jetstream::new(client);
-    let shown = redact::url(&config.database_url);
-    let scheme = config.database_url.split_once(':').map_or("", |(s, _)| s);
-    let url = config.database_url.as_str();
-    let bad_url = |e: sqlx::Error| format!("DATABASE_URL {shown}: {e}");
-    let on = Serve {
-        config,
-        js,
-        shown: &shown,
-        startup,
+    let database = DatabaseSpec {
+        url: &config.database_url,
+        server_pool: config.pool,
+        sqlite_pool: 1,
     };
-    match scheme {
-        "postgres" | "postgresql" => {
-            let pool = server_pool::<sqlx::Postgres>(config.pool);
-            let options = url.parse().map_err(bad_url)?;
-            on.serve(pool, options, postgres::create_table, postgres::statement)
-                .await
-        }
-        "mysql" | "mariadb" => {
-            let pool = server_pool::<sqlx::MySql>(config.pool);
-            let options = url.parse().map_err(bad_url)?;
-            on.serve(pool, options, mysql::create_table, mysql::statement)
-                .await
-        }
-        "sqlite" => {
-            let pool = sqlx::pool::PoolOptions::<sqlx::Sqlite>::new()
-                .max_connections(1)
-                .test_before_acquire(false);
-            let options = inbox_runtime::sqlite_options(url).map_err(bad_url)?;
-            on.serve(pool, options, sqlite::create_table, sqlite::statement)
-                .await
-        }
-        _ => Err(format!(
-            "DATABASE_URL {shown} is not supported: use postgres://, mysql:// (or mariadb://) or sqlite://"
-        )
-        .into()),
-    }
+    let parts = Backends {
+        postgres: (postgres::create_table, postgres::statement),
+        mysql: (mysql::create_table, mysql::statement),
+        sqlite: (sqlite::create_table, sqlite::statement),
+    };
+    let on = Serve { config, js };
+    let stats = start_database(&database, &startup, on, parts).await?;
+    Ok(stats.unwrap_or_default())
 }
 
 /// Where the app runs, once NATS is up.
 struct Serve<'a> {
     config: &'a StatementsConfig,
     js: async_nats::jetstream::Context,
-    /// `DATABASE_URL`, redacted.
-    shown: &'a str,
-    startup: CancellationToken,
 }
 
-impl Serve<'_> {
-    async fn serve<H>(
-        self,
-        pool: sqlx::pool::PoolOptions<H::Db>,
-        options: <<H::Db as sqlx::Database>::Connection as sqlx::Connection>::Options,
-        create_table: impl AsyncFnOnce(&sqlx::Pool<H::Db>) -> Result<(), sqlx::Error>,
-        handler: H,
-    ) -> Result<AppStats, Error>
-    where
-        H: Handler<Message = CreditApplied, State = ()>,
-    {
-        let (config, shown) = (self.config, self.shown);
-        let connect = || {
-            let pool = pool.clone().connect_with(options.clone());
-            async move { pool.await.map_err(|e| db_start_error::<H::Db>(shown, e)) }
-        };
-        let Some(pool) = until_up("the database", &self.startup, connect).await? else {
-            return Ok(AppStats::new());
-        };
-        create_table(&pool).await?;
-        let inbox = Inbox::new(pool.clone());
-        inbox.migrate().await?;
+/// `Part`: the backend's `create_table` and `statement`.
+impl<C, H> Example<(C, H)> for Serve<'_>
+where
+    C: AsyncFn(&sqlx::Pool<H::Db>) -> Result<(), sqlx::Error>,
+    H: Handler<Message = CreditApplied, State = ()>,
+{
+    type Db = H::Db;
+    type Output = AppStats;
+
+    async fn create_tables(
+        (create_table, _): &(C, H),
+        pool: &sqlx::Pool<H::Db>,
+    ) -> Result<(), sqlx::Error> {
+        create_table(pool).await
+    }
+
+    async fn run(self, (_, handler): (C, H), inbox: Inbox<H::Db>) -> Result<AppStats, Error> {
+        let config = self.config;
         // As `credit` creates it, when it does not exist yet.
         let stream = async_nats::jetstream::stream::Config {
             subjects: vec![config.subject.clone()],
@@ -239,11 +210,9 @@ impl Serve<'_> {
         };
         let durable = Durable::recommended(&config.stream, &config.durable, &config.subject)
             .with_stream(stream);
-        let stats = App::new(inbox, &self.js)
+        Ok(App::new(inbox, &self.js)
             .handler(handler, durable)
             .run()
-            .await?;
-        pool.close().await;
-        Ok(stats)
+            .await?)
     }
 }
