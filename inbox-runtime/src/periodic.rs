@@ -2,7 +2,7 @@
 //! open claims, parked dead letters): a tick every period, the first at once, until shutdown.
 
 use std::time::Duration;
-use tokio::time::{Interval, MissedTickBehavior};
+use tokio::time::Interval;
 use tokio_util::sync::CancellationToken;
 
 /// Ticks every `period` until `shutdown` is cancelled:
@@ -13,12 +13,12 @@ pub(crate) struct Every {
 }
 
 impl Every {
-    /// Ticks every `period` (the first tick at once) until `shutdown`. A pass that overruns
-    /// delays the next tick rather than bunching the missed ones.
+    /// Ticks every `period` (the first tick at once) until `shutdown`.
     pub(crate) fn new(period: Duration, shutdown: CancellationToken) -> Self {
-        let mut ticks = tokio::time::interval(period);
-        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        Every { ticks, shutdown }
+        Every {
+            ticks: tokio::time::interval(period),
+            shutdown,
+        }
     }
 
     /// Waits for the next tick: `true` to run a pass, `false` once shutdown is asked for.

@@ -20,6 +20,18 @@ pub enum RelayTurns {
     Lease,
 }
 
+impl RelayTurns {
+    /// What a relay's SELECT of pending rows ends with: locking them for its transaction and
+    /// passing over those another relay holds, or nothing where the lease decides who reads
+    /// (and the transaction holds the database's write lock).
+    pub fn fetch_suffix(self) -> &'static str {
+        match self {
+            RelayTurns::SkipLocked => " FOR UPDATE SKIP LOCKED",
+            RelayTurns::Lease => "",
+        }
+    }
+}
+
 /// The result of the claim statement (not the two-phase [`Claim`](crate::Claim) handle).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claimed {
@@ -193,12 +205,8 @@ pub trait Backend: sqlx::Database + Generic {
     /// The outbox (`outbox.rs`): the migrations that create `table` and its indexes.
     fn outbox_migration_sql(table: &TableName) -> Vec<String>;
 
-    /// The outbox: what a relay's SELECT of pending rows ends with, to lock them for its
-    /// transaction and pass over those another relay holds. Empty where the transaction holds
-    /// the database's write lock (SQLite, whose relays take turns by a lease instead).
-    const SKIP_LOCKED: &'static str = " FOR UPDATE SKIP LOCKED";
-
-    /// The outbox: how relays side by side keep off each other's rows.
+    /// The outbox: how relays side by side keep off each other's rows; also what a relay's
+    /// SELECT of pending rows ends with ([`RelayTurns::fetch_suffix`]).
     const RELAY_TURNS: RelayTurns = RelayTurns::SkipLocked;
 
     /// The outbox: deletes at most `?2` rows of `table` sent more than `?1` seconds (a float)

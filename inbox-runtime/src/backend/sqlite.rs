@@ -104,7 +104,6 @@ impl Backend for Sqlite {
     }
 
     // BEGIN IMMEDIATE holds the write lock; relays take turns by the lease in `<table>_relay`.
-    const SKIP_LOCKED: &'static str = "";
     const RELAY_TURNS: RelayTurns = RelayTurns::Lease;
 
     fn outbox_migration_sql(table: &TableName) -> Vec<String> {

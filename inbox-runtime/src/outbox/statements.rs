@@ -39,7 +39,7 @@ impl OutboxStatements {
                 "SELECT id, msg_id, subject, order_key, headers, payload FROM {table} \
                  WHERE sent_at IS NULL ORDER BY id LIMIT {}{}",
                 p(1),
-                DB::SKIP_LOCKED
+                DB::RELAY_TURNS.fetch_suffix()
             )),
             heads: sql(format!(
                 "SELECT order_key, MIN(id) FROM {table} WHERE sent_at IS NULL AND id <= {} \
