@@ -1,7 +1,8 @@
 //! The command line, with clap: `cargo xtask <task> [options]`; `cargo xtask help <task>` says
-//! what each does.
+//! what each does. Each task takes options of its own; this file turns the arguments into them,
+//! so that no task depends on the command line.
 
-use crate::{bench, chaos};
+use crate::{bench, chaos, inbox_scale, test};
 use clap::{Parser, Subcommand, ValueEnum};
 use inbox_testkit::Backend;
 
@@ -155,25 +156,23 @@ pub enum Runs {
     All,
 }
 
-impl ChaosArgs {
-    /// The chaos run's options.
-    pub fn options(&self) -> chaos::Options {
-        let (credit, email) = match self.run {
-            Runs::Credit => (true, false),
-            Runs::Email => (false, true),
-            Runs::All => (true, true),
-        };
-        let options = chaos::Options::new(
-            self.db.0.clone(),
-            self.messages as usize,
-            self.release,
-            self.nats == Nats::Current,
-            (credit, email),
-        );
-        if self.cluster {
-            options.on_cluster()
-        } else {
-            options
+impl From<&ChaosArgs> for chaos::Common {
+    fn from(args: &ChaosArgs) -> chaos::Common {
+        chaos::Common {
+            backends: args.db.0.clone(),
+            messages: args.messages as usize,
+            release: args.release,
+            current_nats: args.nats == Nats::Current,
+        }
+    }
+}
+
+impl From<&ChaosArgs> for chaos::Options {
+    fn from(args: &ChaosArgs) -> chaos::Options {
+        chaos::Options {
+            common: args.into(),
+            credit: matches!(args.run, Runs::Credit | Runs::All),
+            email: matches!(args.run, Runs::Email | Runs::All),
         }
     }
 }
@@ -223,6 +222,49 @@ pub struct BenchArgs {
     pub claims: u64,
 }
 
+impl From<&BenchArgs> for bench::Options {
+    fn from(args: &BenchArgs) -> bench::Options {
+        bench::Options {
+            backends: args.db.0.clone(),
+            messages: args.messages as usize,
+            concurrency: args.concurrency as usize,
+            rounds: args.rounds as usize,
+            batch: args.batch as usize,
+            latency_messages: args.latency_messages as usize,
+            rate: args.rate,
+            inbox_rows: args.inbox_rows.clone(),
+            contenders: match args.only.as_slice() {
+                [] => bench::Contender::ALL.to_vec(),
+                only => only.to_vec(),
+            },
+            save: args.save,
+        }
+    }
+}
+
+impl From<&BenchArgs> for inbox_scale::Options {
+    fn from(args: &BenchArgs) -> inbox_scale::Options {
+        inbox_scale::Options {
+            markers: args.markers.clone(),
+            claims: args.claims as usize,
+        }
+    }
+}
+
+impl From<&TestArgs> for test::Options {
+    fn from(args: &TestArgs) -> test::Options {
+        if args.everything() {
+            return test::Options::Everything;
+        }
+        test::Options::Only(test::Selection {
+            db: args.db,
+            current_nats: args.nats == Some(Nats::Current),
+            batched: args.batched,
+            filters: args.filters.clone(),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -239,10 +281,10 @@ mod tests {
         else {
             panic!("bench options did not parse");
         };
-        let o = bench::Options::from_args(&b);
+        let o = bench::Options::from(&b);
         assert_eq!(b.db, Backends(vec![Backend::Sqlite]));
         assert_eq!((b.messages, b.inbox_rows.clone()), (1000, vec![0, 1000]));
-        let _ = o;
+        assert_eq!((o.messages, o.contenders.len()), (1000, 4));
         let Ok(Task::Bench(b)) = parse("bench --inbox-scale --markers 0,10000000 --claims 50")
         else {
             panic!("inbox-scale options did not parse");

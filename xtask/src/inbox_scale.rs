@@ -87,7 +87,7 @@ pub async fn run(options: Options) -> Result<(), String> {
     }
     let table = table(&all, options.claims);
     print!("{table}");
-    let out = crate::workspace_root().join("target/bench");
+    let out = crate::workspace::root().join("target/bench");
     std::fs::create_dir_all(&out).map_err(|e| format!("{}: {e}", out.display()))?;
     let path = out.join("inbox-scale.md");
     std::fs::write(&path, &table).map_err(|e| format!("{}: {e}", path.display()))?;

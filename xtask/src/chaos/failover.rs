@@ -1,6 +1,6 @@
 //! `cargo xtask chaos --failover`: exactly-once across a database failover, audited message by
-//! message with the `credit` run's audit (this module is a child of `chaos.rs`, whose
-//! publishing, accounts, read-back and audit it reuses unchanged).
+//! message with the `credit` run's audit (it reuses the `credit` run's publishing, accounts,
+//! read-back, audit and report unchanged).
 //!
 //! **Set up**: a private nats-server; a private PostgreSQL primary and a hot standby streaming
 //! from it (`pg_basebackup -R`), the standby synchronous (`synchronous_standby_names`, so that a
@@ -23,22 +23,22 @@
 //! exactly once, every message to reject dead-lettered exactly once, nothing else; every
 //! process stopped cleanly.
 
-use super::{
-    DURABLE, Findings, LETTERS_WITHIN, Published, STREAM, SUBJECT, applied, audit, create_accounts,
-    lift_outage, observe, publish, stored_letters,
-};
+use super::audit::Audited;
+use super::db::applied;
+use super::observe::observe;
+use super::publish::{create_accounts, publish};
+use super::report::{Columns, Report, Row};
+use super::setup::{self, Common};
+use super::streams::{DURABLE, INSTANCES, STREAM, credit_config, lift_outage, wait_for_letters};
 use async_nats::jetstream;
 use inbox_testkit::{
-    Backend, CreditConfig, CreditProcess, Poll, PrimaryStandby, PrivateNats, Replication, TcpProxy,
-    backlog, unique,
+    Backend, CreditProcess, Poll, PrimaryStandby, PrivateNats, Replication, TcpProxy, backlog,
+    unique,
 };
 use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 use std::path::Path;
 use std::time::{Duration, Instant};
-
-/// `credit` processes at work.
-const INSTANCES: usize = 3;
 
 /// The failover, as it went.
 #[derive(Debug, Clone, Copy)]
@@ -51,102 +51,42 @@ struct Failover {
     drained: Duration,
 }
 
-/// What the run came to.
-struct Report {
-    /// Messages published in all.
-    total: usize,
-    /// Distinct valid requests.
-    requests: usize,
-    /// Messages that must be dead-lettered.
-    dead_expected: usize,
-    /// The audit's findings.
-    findings: Findings,
-    /// Duplicates the processes skipped.
-    skipped: u64,
-    /// The failover.
-    failover: Failover,
-}
+/// The table's columns: the failover's timing.
+const COLUMNS: Columns = Columns {
+    backend: None,
+    announced: false,
+    own: &["failover at", "switched after", "drained after"],
+    right_aligned: false,
+};
 
-impl Report {
-    /// Every message ended as it must, and the failover came mid-run.
-    fn ok(&self) -> bool {
-        self.findings.problems.is_empty()
-            && self.findings.applied_once == self.requests
-            && self.findings.dead_once == self.dead_expected
-            && (self.failover.at as usize) < self.requests
-    }
-
-    fn print(&self) {
-        let f = &self.findings;
-        let (lost, twice, other) = f.tally();
-        let mut table = comfy_table::Table::new();
-        table.load_preset(comfy_table::presets::UTF8_FULL_CONDENSED);
-        table.set_header([
-            "published",
-            "applied once",
-            "dead",
-            "lost",
-            "twice",
-            "other",
-            "failover at",
-            "switched after",
-            "drained after",
-        ]);
-        table.add_row([
-            self.total.to_string(),
-            format!("{}/{}", f.applied_once, self.requests),
-            format!("{}/{}", f.dead_once, self.dead_expected),
-            lost.to_string(),
-            twice.to_string(),
-            other.to_string(),
-            format!("{} applied", self.failover.at),
-            format!("{:.1}s", self.failover.switched.as_secs_f64()),
-            format!("{:.1}s", self.failover.drained.as_secs_f64()),
-        ]);
-        println!("{table}");
-        println!(
-            "(failover: every process of the primary SIGKILLed, the synchronous standby \
-             promoted, the proxy switched to it; skipped by the processes: {})",
-            self.skipped
-        );
-        if self.ok() {
-            return;
-        }
-        println!("\nfailover FAILED:");
-        f.print_problems();
-        if self.failover.at as usize >= self.requests {
-            println!("  every request was applied before the failover: nothing was tested");
-        }
-    }
-}
-
-/// Runs the failover run as `args` say (`--messages`, `--release`, `--nats`; `--db` must include
-/// postgres, `--run` does not apply) and prints its table; fails unless every message ended as
-/// it must.
-pub async fn run(args: &crate::cli::ChaosArgs) -> Result<(), String> {
-    if !args.db.0.contains(&Backend::Postgres) {
+/// Runs the failover run as `options` say (`backends` must include PostgreSQL, the only one it
+/// runs on) and prints its table; fails unless
+/// every message ended as it must.
+pub async fn run(options: Common) -> Result<(), String> {
+    if !options.backends.contains(&Backend::Postgres) {
         return Err("--failover runs on PostgreSQL only: leave --db out or say postgres".into());
     }
-    let (n, current_nats) = (
-        args.messages as usize,
-        args.nats == crate::cli::Nats::Current,
-    );
-    let credit = crate::build_credit(args.release)?;
-    let logs = crate::workspace_root().join("target/chaos");
-    std::fs::create_dir_all(&logs).map_err(|e| e.to_string())?;
-    sqlx::any::install_default_drivers();
-    let (nats_server, version) = if current_nats {
-        (crate::nats_current::binary()?, crate::nats_current::VERSION)
-    } else {
-        (inbox_testkit::nats_server_binary()?, "the machine's")
-    };
+    let n = options.messages;
+    let credit = crate::workspace::build_credit(options.release)?;
+    let setup = setup::prepare(options.current_nats)?;
     println!(
         "\n== chaos, database failover, on a private PostgreSQL primary with a synchronous \
-         standby ({n} requests, nats-server {version})"
+         standby ({n} requests, nats-server {})",
+        setup.version
     );
-    let report = failover(n, (&credit, &nats_server), &logs).await?;
-    report.print();
-    if report.ok() {
+    let row = failover(n, (&credit, &setup.nats_server), &setup.logs).await?;
+    let report = Report {
+        columns: COLUMNS,
+        rows: vec![row],
+    };
+    report.print_table();
+    println!(
+        "(failover: every process of the primary SIGKILLed, the synchronous standby \
+         promoted, the proxy switched to it; skipped by the processes: {})",
+        report.rows[0].audited.skipped
+    );
+    report.print_failures();
+    if report.failed() == 0 {
         println!(
             "\nexactly once across a database failover, message by message: every request \
              applied once on the promoted standby, every rejected message dead-lettered once, \
@@ -155,6 +95,24 @@ pub async fn run(args: &crate::cli::ChaosArgs) -> Result<(), String> {
         Ok(())
     } else {
         Err("chaos failover run FAILED: see the findings above".into())
+    }
+}
+
+/// The report's row: the failover's timing in its own columns, and a failover after every
+/// request was applied failing it (it tested nothing).
+fn row(audited: Audited, failover: Failover) -> Row {
+    let missing = (failover.at as usize >= audited.requests)
+        .then(|| "every request was applied before the failover: nothing was tested".to_owned());
+    Row {
+        backend: Backend::Postgres.name(),
+        name: "failover".into(),
+        audited,
+        own: vec![
+            format!("{} applied", failover.at),
+            format!("{:.1}s", failover.switched.as_secs_f64()),
+            format!("{:.1}s", failover.drained.as_secs_f64()),
+        ],
+        missing: missing.into_iter().collect(),
     }
 }
 
@@ -173,7 +131,7 @@ async fn failover(
     n: usize,
     (credit, nats_server): (&Path, &Path),
     logs: &Path,
-) -> Result<Report, String> {
+) -> Result<Row, String> {
     let run = unique("");
     let nats = PrivateNats::start_binary(nats_server.to_owned()).await?;
     let mut pair = PrimaryStandby::start(Replication::Synchronous).await?;
@@ -190,15 +148,7 @@ async fn failover(
     let published = publish(&js, n, &run, 1).await?;
     lift_outage(&js).await?;
 
-    let config = CreditConfig {
-        binary: credit.to_owned(),
-        nats_url: nats.url.clone(),
-        database_url: url,
-        stream: STREAM.into(),
-        subject: SUBJECT.into(),
-        consumer: DURABLE.into(),
-        rust_log: "warn".into(),
-    };
+    let config = credit_config(credit, nats.url.clone(), url);
     let log = |k: usize| logs.join(format!("failover-{run}-{k}.log"));
     let mut children: Vec<CreditProcess> = (0..INSTANCES)
         .map(|k| CreditProcess::spawn(&config, Some(&log(k))))
@@ -258,15 +208,7 @@ async fn failover(
 
     // A letter parked in the database is relayed by the processes: keep them until the stream
     // holds a letter per message to reject, or the wait is over (the audit names what is missing).
-    let mut wait = Poll::new("the letters to be stored", LETTERS_WITHIN);
-    while !stored_letters(&js)
-        .await
-        .is_ok_and(|k| k >= published.dead_expected as u64)
-    {
-        if wait.tick().await.is_err() {
-            break;
-        }
-    }
+    let _ = wait_for_letters(&js, published.dead_expected as u64).await;
     let mut skipped = 0;
     for (k, child) in children.into_iter().enumerate() {
         let summary = child
@@ -281,21 +223,5 @@ async fn failover(
     let seen = observe(Backend::Postgres, &new_primary, &js).await?;
     new_primary.close().await;
     pool.close().await;
-    Ok(report(
-        &published,
-        audit(&published, &seen),
-        skipped,
-        failover,
-    ))
-}
-
-fn report(published: &Published, findings: Findings, skipped: u64, failover: Failover) -> Report {
-    Report {
-        total: published.by_seq.len(),
-        requests: published.requests,
-        dead_expected: published.dead_expected,
-        findings,
-        skipped,
-        failover,
-    }
+    Ok(row(Audited::new(&published, &seen, skipped), failover))
 }

@@ -12,6 +12,8 @@
 //!   happens once the lease has run out, and a killed owner's call, even a slow one, ends long
 //!   before its message is redelivered).
 
+use super::db::audit_pool;
+use super::streams::DLQ_STREAM;
 use async_nats::jetstream;
 use inbox_testkit::{
     Backend, CreditProcess, Database, EmailConfig, Flaky, Poll, PrivateNats, Sink, backlog,
@@ -22,11 +24,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+/// The stream the e-mail requests are published to.
 const STREAM: &str = "CHAOS_EMAILS";
+/// The requests' subject.
 const SUBJECT: &str = "chaos.emails";
+/// The durable consumer `email` works on.
 const DURABLE: &str = "chaos_email";
+/// `email` processes at work.
 const INSTANCES: usize = 3;
+/// How often an `email` process is SIGKILLed.
 const KILL_EVERY: Duration = Duration::from_secs(1);
+/// The claims' lease, also how long the sink's slow calls take: a slow call outlasts a renewal
+/// period.
 const LEASE: Duration = Duration::from_millis(1500);
 /// One request in this many is published twice.
 const DUPLICATE_EVERY: usize = 5;
@@ -105,7 +114,7 @@ pub async fn run(
         slow: 4,
         slow_for: LEASE,
     }));
-    let pool = crate::chaos::audit_pool(backend, &db)?;
+    let pool = audit_pool(backend, &db)?;
     let config = EmailConfig {
         binary: email.to_owned(),
         nats_url: nats.url.clone(),
@@ -128,10 +137,13 @@ pub async fn run(
     result
 }
 
+/// The recipient of request `i`: the audit reads `i` back from a call's body.
 fn to(i: usize) -> String {
     format!("user{i}@example.com")
 }
 
+/// Publishes the requests, runs the processes through the kills until the consumer drains, and
+/// audits every request and every call.
 async fn supervise(
     backend: Backend,
     n: usize,
@@ -283,7 +295,7 @@ async fn supervise(
 /// The request ids in the dead-letter stream's letters for consumer `email`.
 async fn dead_lettered(js: &jetstream::Context) -> Result<BTreeSet<String>, String> {
     let mut ids = BTreeSet::new();
-    let Ok(stream) = js.get_stream("INBOX_DLQ").await else {
+    let Ok(stream) = js.get_stream(DLQ_STREAM).await else {
         return Ok(ids);
     };
     let last = stream.cached_info().state.last_sequence;

@@ -1,0 +1,81 @@
+//! What `cargo xtask bench` is asked for: the sizes, and which contenders run.
+
+use inbox_testkit::Backend;
+
+/// What `cargo xtask bench` was asked.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The backends, one after the other.
+    pub backends: Vec<Backend>,
+    /// Messages in each backlog.
+    pub messages: usize,
+    /// The consumers' concurrency (SQLite's is 1).
+    pub concurrency: usize,
+    /// Rounds, alternating the contenders.
+    pub rounds: usize,
+    /// Messages per transaction of the batched contender.
+    pub batch: usize,
+    /// Paced messages for the latency measurement.
+    pub latency_messages: usize,
+    /// Their rate, per second.
+    pub rate: u32,
+    /// Marker counts at which the claim is also timed.
+    pub inbox_rows: Vec<u64>,
+    /// The contenders that run.
+    pub contenders: Vec<Contender>,
+    /// Whether the results are also written to `docs/bench/`.
+    pub save: bool,
+}
+
+/// One contender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Contender {
+    /// A hand-written sqlx loop, no NATS: the database's limit.
+    Loop,
+    /// A hand-written async-nats + sqlx consumer.
+    Handwritten,
+    /// `credit`, a transaction per message.
+    Inbox,
+    /// `credit` with `CREDIT_BATCH`.
+    InboxBatched,
+}
+
+impl Contender {
+    /// The contender named `word` (`loop`, `handwritten`, `inbox`, `inbox-batched`).
+    pub fn parse(word: &str) -> Result<Contender, String> {
+        Contender::ALL
+            .into_iter()
+            .find(|c| c.name() == word)
+            .ok_or_else(|| {
+                format!("no contender {word:?}: loop, handwritten, inbox or inbox-batched")
+            })
+    }
+
+    /// Every contender, in the order they run and are charted.
+    pub const ALL: [Contender; 4] = [
+        Contender::Loop,
+        Contender::Handwritten,
+        Contender::Inbox,
+        Contender::InboxBatched,
+    ];
+
+    /// Its name on the command line and in the results.
+    pub fn name(self) -> &'static str {
+        match self {
+            Contender::Loop => "loop",
+            Contender::Handwritten => "handwritten",
+            Contender::Inbox => "inbox",
+            Contender::InboxBatched => "inbox-batched",
+        }
+    }
+
+    /// Its line in the results table.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Contender::Loop => "1. sqlx loop, no NATS (the database's limit)",
+            Contender::Handwritten => "2. hand-written async-nats + sqlx consumer",
+            Contender::Inbox => "3. inbox, a transaction per message",
+            Contender::InboxBatched => "4. inbox, batched",
+        }
+    }
+}

@@ -1,0 +1,283 @@
+//! The single-server `credit` run of `cargo xtask chaos`, in three steps.
+//!
+//! **Publish**, on a private nats-server: N credit requests each published twice (once with
+//! `Nats-Msg-Id`, once without); a few to be dead-lettered at once, poison payloads (each a
+//! non-JSON text of its own) and overdraws (a CHECK violation); and, last in the stream, a few
+//! credits to accounts never opened (a foreign-key violation), which the runtime redelivers with a
+//! delay until `max_deliver` and then dead-letters. Every message's stream sequence is kept from
+//! its PubAck. `credit`'s own schema has no payload that fails that way (its one upsert fails
+//! only with a CHECK violation or a data error, both dead-lettered at once, or transiently), so
+//! chaos creates `accounts` itself, as `credit` would plus a foreign key to `open_accounts`.
+//!
+//! **Supervise**: three `credit` processes work through the [`Faults`]: one of them is SIGKILLed
+//! and restarted every two seconds; one is frozen with SIGSTOP for twice `ack_wait` (what it holds
+//! is redelivered to the others while its transactions stay open) and then let go with SIGCONT;
+//! the nats-server is killed and restarted once; every database connection is cut once; and the
+//! dead-letter stream rejects every letter, from the start until a letter has been rejected on
+//! its message's last delivery (earlier ones are nak'd and tried again; that one must be parked
+//! and relayed later).
+//!
+//! **Verify**, once the consumer has drained, message by message: every request id applied
+//! exactly once (its account's balance is 1 and its marker is committed); every other message
+//! dead-lettered exactly once (one letter names its stream sequence and carries its payload, and
+//! an unopened account's letter says it came at delivery `max_deliver`); and nothing else in the
+//! database or the dead-letter stream. A query that fails fails the run: nothing counts as 0.
+//!
+//! Crashes stop once every message has been handed out, and the unopened credits come last, so
+//! that their last delivery falls after the crash faults: JetStream never redelivers a message
+//! after its `max_deliver`-th delivery, so a process that dies during that delivery (or a
+//! nats-server that restarts, or a dead-letter stream that rejects its letter then) leaves the
+//! message neither applied nor dead-lettered, whatever the runtime does.
+
+use super::audit::Audited;
+use super::db::{applied, audit_pool};
+use super::faults::{
+    DbCut, Faults, KILL_EVERY, LetterWatch, OUTAGE_AT_MOST, Outage, PAUSE_FOR, Pause,
+};
+use super::observe::observe;
+use super::publish::{create_accounts, publish};
+use super::report::{Columns, Row};
+use super::streams::{
+    DURABLE, EVENTS_STREAM, INSTANCES, STREAM, credit_config, lift_outage, wait_for_letters,
+};
+use async_nats::jetstream;
+use inbox_testkit::{
+    Backend, CreditConfig, CreditProcess, Database, Poll, PrivateNats, backlog, unique,
+};
+use sqlx::AnyPool;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The table's columns: the announcements, and the faults of [`Faults`].
+pub const COLUMNS: Columns = Columns {
+    backend: Some("backend"),
+    announced: true,
+    own: &["kills", "paused", "dlq rej.", "db cut"],
+    right_aligned: true,
+};
+
+/// One backend's run: its own nats-server and database, publish, supervise, verify.
+pub async fn run(
+    backend: Backend,
+    n: usize,
+    (credit, nats_server): (&Path, &Path),
+    logs: &Path,
+) -> Result<Row, String> {
+    let run = unique("");
+    let mut nats = PrivateNats::start_binary(nats_server.to_owned()).await?;
+    let db = Database::create(backend, "inbox_chaos_").await?;
+    // chaos creates the SQLite file itself (with the accounts table, before any `credit`).
+    let pool = audit_pool(backend, &db)?;
+    let config = credit_config(credit, nats.url.clone(), db.url.clone());
+    let result = async {
+        let client = inbox_testkit::connect(&nats.url).await?;
+        let js = jetstream::new(client.clone());
+        create_accounts(backend, &pool, n).await?;
+        let published = publish(&js, n, &run, 1).await?;
+        let logs = |k: usize| logs.join(format!("{}-{run}-{k}.log", backend.name()));
+        let watch = LetterWatch::start(&client).await?;
+        let (faults, skipped) = supervise(
+            &config,
+            logs,
+            n,
+            &mut nats,
+            &db,
+            &pool,
+            &js,
+            watch,
+            published.dead_expected as u64,
+        )
+        .await?;
+        let seen = observe(backend, &pool, &js).await?;
+        let _ = js.delete_stream(STREAM).await;
+        let _ = js.delete_stream(EVENTS_STREAM).await;
+        Ok(row(
+            backend,
+            Audited::new(&published, &seen, skipped),
+            &faults,
+        ))
+    }
+    .await;
+    pool.close().await;
+    db.remove().await?;
+    result
+}
+
+/// The report's row of the run on `backend`: its faults in its own columns, and each fault that
+/// did not bite failing it.
+fn row(backend: Backend, audited: Audited, faults: &Faults) -> Row {
+    Row {
+        backend: backend.name(),
+        name: backend.name().to_owned(),
+        audited,
+        own: faults.cells(),
+        missing: faults
+            .missing()
+            .into_iter()
+            .map(|m| format!("fault missing: {m}"))
+            .collect(),
+    }
+}
+
+/// Runs the `credit` processes through the faults until every fault is done and the consumer has
+/// drained (every message answered for good); returns the faults and the duplicates the
+/// survivors report skipping.
+#[allow(clippy::too_many_arguments)]
+async fn supervise(
+    config: &CreditConfig,
+    log: impl Fn(usize) -> PathBuf,
+    n: usize,
+    nats: &mut PrivateNats,
+    db: &Database,
+    pool: &AnyPool,
+    js: &jetstream::Context,
+    watch: LetterWatch,
+    letters_expected: u64,
+) -> Result<(Faults, u64), String> {
+    let spawn = |k: usize| CreditProcess::spawn(config, Some(&log(k)));
+    let mut children: Vec<CreditProcess> = (0..INSTANCES).map(spawn).collect::<Result<_, _>>()?;
+    let mut started: Vec<Instant> = vec![Instant::now(); INSTANCES];
+    let deadline = Duration::from_secs(300) + Duration::from_millis(20 * n as u64);
+    let mut poll = Poll::new(
+        "every fault to be done and the consumer to be drained",
+        deadline,
+    );
+    let mut faults = Faults {
+        kills: 0,
+        pause: Pause::Pending,
+        nats_restarted: false,
+        db_cut: DbCut::Pending,
+        outage: Outage::Rejecting {
+            since: Instant::now(),
+        },
+    };
+    let mut watch = Some(watch);
+    let mut last_kill = Instant::now();
+    let n = n as i64;
+    // The last count that could be read: a failed look (the database is being cut) is not 0.
+    let mut applied_now = 0;
+    loop {
+        let last_error = match applied(pool).await {
+            Ok(a) => {
+                applied_now = a;
+                None
+            }
+            Err(e) => Some(e),
+        };
+        let applied = applied_now;
+        let backlog = backlog(js, STREAM, DURABLE).await.ok();
+        let drained = backlog.is_some_and(|b| b.drained());
+        // Once every message was handed out, what is left are redeliveries, among them the
+        // unopened credits' last: no more crashes (see the module's doc).
+        let undelivered = backlog.is_none_or(|b| b.pending > 0);
+        // Drained, nothing is left to deliver: whatever is not applied by now never will be,
+        // and the audit says which.
+        if faults.all_done() && drained {
+            break;
+        }
+
+        // The dead-letter stream rejects until a letter was rejected on its last delivery.
+        if let (Outage::Rejecting { since }, Some(w)) = (faults.outage, &watch) {
+            let seen = w.counts();
+            if seen.at_last > 0 || since.elapsed() > OUTAGE_AT_MOST {
+                match lift_outage(js).await {
+                    Ok(()) => {
+                        let (rejected, messages) = (seen.by_seq.values().sum(), seen.by_seq.len());
+                        let lasted = since.elapsed();
+                        println!(
+                            "  dead-letter stream stores again after {:.1}s: it rejected \
+                             {rejected} letter publishes of {messages} messages, {} on a last \
+                             delivery ({applied} applied)",
+                            lasted.as_secs_f64(),
+                            seen.at_last,
+                        );
+                        faults.outage = Outage::Lifted {
+                            rejected,
+                            messages,
+                            at_last: seen.at_last,
+                            lasted,
+                        };
+                        watch = None;
+                    }
+                    // The nats-server may be restarting: try again at the next look.
+                    Err(e) => println!("  lifting the dead-letter outage failed: {e}"),
+                }
+            }
+        }
+
+        let frozen = match faults.pause {
+            Pause::Frozen { k, .. } => Some(k),
+            _ => None,
+        };
+        // Every two seconds, and at least once early on, however fast the run; never the frozen
+        // process, which is let go, not killed.
+        let due = last_kill.elapsed() > KILL_EVERY || (faults.kills == 0 && applied >= n / 6);
+        if due && applied < n && undelivered {
+            let pick = (uuid::Uuid::new_v4().as_u128() % INSTANCES as u128) as usize;
+            let k = if Some(pick) == frozen {
+                (pick + 1) % INSTANCES
+            } else {
+                pick
+            };
+            children[k].kill().await?;
+            children[k] = spawn(k)?;
+            started[k] = Instant::now();
+            faults.kills += 1;
+            last_kill = Instant::now();
+        }
+
+        match faults.pause {
+            // The process that has run longest: it is the likeliest to hold messages.
+            Pause::Pending if applied >= n / 2 => {
+                let k = (0..INSTANCES)
+                    .min_by_key(|&k| started[k])
+                    .expect("instances");
+                children[k].pause()?;
+                println!("  freezing credit #{k} (SIGSTOP) for {PAUSE_FOR:?} ({applied} applied)");
+                faults.pause = Pause::Frozen {
+                    k,
+                    since: Instant::now(),
+                };
+            }
+            Pause::Frozen { k, since } if since.elapsed() >= PAUSE_FOR => {
+                children[k].resume()?;
+                let held = since.elapsed();
+                println!(
+                    "  letting credit #{k} go on (SIGCONT) after {:.1}s ({applied} applied)",
+                    held.as_secs_f64()
+                );
+                faults.pause = Pause::Done { held };
+            }
+            _ => {}
+        }
+
+        if !faults.nats_restarted && applied >= n / 3 {
+            println!("  killing and restarting nats-server ({applied} applied)");
+            nats.restart().await?;
+            faults.nats_restarted = true;
+        }
+        if faults.nats_restarted && faults.db_cut == DbCut::Pending && applied >= 2 * n / 3 {
+            println!("  cutting every database connection ({applied} applied)");
+            faults.db_cut = match db.cut().await? {
+                Some(sessions) => DbCut::Cut { sessions },
+                None => DbCut::NotApplicable,
+            };
+        }
+        poll.tick().await.map_err(|e| {
+            let last = last_error
+                .as_ref()
+                .map_or(String::new(), |e| format!("; last look failed: {e}"));
+            format!("{e} ({applied} of {n} applied, faults {faults:?}{last})")
+        })?;
+    }
+    // A letter parked on a last delivery is relayed by the processes: keep them until the stream
+    // holds a letter per message to reject, or the wait is over (the audit names what is missing).
+    if let Err(e) = wait_for_letters(js, letters_expected).await {
+        println!("  {e}");
+    }
+    let mut skipped = 0;
+    for child in children {
+        skipped += child.stop(Duration::from_secs(60)).await?.skipped;
+    }
+    Ok((faults, skipped))
+}

@@ -1,0 +1,114 @@
+//! `cargo xtask demo`: exactly-once consumption, shown end to end.
+//!
+//! Publishes a few thousand credit requests, a good share of them published again as a producer
+//! retrying after a lost ack would (no `Nats-Msg-Id`, so the broker does not dedup), runs two
+//! `credit` processes on one durable consumer, and checks that every balance is exact.
+//!
+//! Then the `email` example (two-phase claims): a few hundred e-mail requests, a third of them
+//! published twice, two `email` processes on one durable consumer calling a local HTTP sink that
+//! answers one call in eight with a 503 and is slow on another; the sink counts calls per
+//! `Idempotency-Key` and the demo prints messages, calls, distinct keys, and the keys called
+//! more than once with why.
+//!
+//! The database is `DATABASE_URL`, else a SQLite file under `target/demo/`. NATS is `NATS_URL`
+//! (default `nats://127.0.0.1:4222`); when nothing answers there, the demo runs a private
+//! `nats-server` with JetStream in a temporary directory and stops it at the end.
+//!
+//! Its parts, one a module, run one after the other on the same NATS and database: `credit`,
+//! then `chain` (credit's outbox into `statements`), `email` and `orders`; `harness` holds what
+//! they share.
+
+mod chain;
+mod credit;
+mod email;
+mod harness;
+mod orders;
+
+use async_nats::jetstream::{self, stream};
+use harness::Part;
+use inbox_testkit::{CreditConfig, PrivateNats, remove_sqlite_files, unique};
+use sqlx::any::AnyPoolOptions;
+
+/// Runs the demo.
+pub async fn run() -> Result<(), String> {
+    println!("building the credit example (release)...");
+    let credit = crate::workspace::build_credit(true)?;
+    let logs = crate::workspace::root().join("target/demo");
+    std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
+
+    let run = unique("")[..8].to_owned();
+    let database_url = match std::env::var("DATABASE_URL") {
+        Ok(url) => url,
+        Err(_) => {
+            // A fresh file each run, so that the numbers below are this run's alone.
+            let file = logs.join("credit.db");
+            remove_sqlite_files(&file);
+            format!("sqlite://{}", file.display())
+        }
+    };
+    let requested_nats =
+        std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let host_port = requested_nats
+        .split("://")
+        .last()
+        .unwrap_or(&requested_nats);
+    let private = if crate::services::answers(host_port.trim_end_matches('/')).await {
+        None
+    } else {
+        let nats = PrivateNats::start().await.map_err(|e| {
+            format!("no NATS answers at NATS_URL ({requested_nats}) and none could be started: {e}")
+        })?;
+        println!("started a private nats-server on port {}", nats.port);
+        Some(nats)
+    };
+    let config = CreditConfig {
+        binary: credit,
+        nats_url: private.as_ref().map_or(requested_nats, |p| p.url.clone()),
+        database_url,
+        stream: format!("CREDITS_DEMO_{run}"),
+        subject: format!("demo.{run}.credits"),
+        consumer: format!("credit_demo_{run}"),
+        rust_log: "info".into(),
+    };
+    println!("NATS:     {}", config.nats_url);
+    println!("database: {}", config.database_url);
+    let js = jetstream::new(inbox_testkit::connect(&config.nats_url).await?);
+    sqlx::any::install_default_drivers();
+    // Lazy: for SQLite the file appears when the first `credit` starts.
+    let pool = AnyPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy(&config.database_url)
+        .map_err(|e| format!("DATABASE_URL {}: {e}", config.database_url))?;
+    js.get_or_create_stream(stream::Config {
+        name: config.stream.clone(),
+        subjects: vec![config.subject.clone()],
+        // Finite, as `credit`'s cleanup requires.
+        max_age: std::time::Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| format!("cannot create stream {}: {e}", config.stream))?;
+
+    let part = Part {
+        credit: &config,
+        run: &run,
+        js: &js,
+        pool: &pool,
+        logs: &logs,
+    };
+    let mut result = credit::run(part).await;
+    let _ = js.delete_stream(&config.stream).await;
+    if result.is_ok() {
+        result = chain::run(part).await;
+    }
+    let _ = js.delete_stream(config.events_stream()).await;
+    if result.is_ok() {
+        result = email::run(part).await;
+    }
+    if result.is_ok() {
+        result = orders::run(part).await;
+    }
+    pool.close().await;
+    drop(private);
+    result
+}

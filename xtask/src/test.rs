@@ -1,0 +1,201 @@
+//! `cargo xtask test`: with no options, what CI runs (services, formatting, lints, docs, every
+//! test on the machine's nats-server and on a current one, batched, and a short chaos run); with
+//! options, only the tests they select.
+
+use crate::workspace::{build_credit, build_example, cargo_step, cargo_step_with};
+use crate::{chaos, nats_current, services};
+use inbox_testkit::Backend;
+
+/// What `cargo xtask test` was asked for.
+pub enum Options {
+    /// Nothing: CI's whole run.
+    Everything,
+    /// Only the tests these select.
+    Only(Selection),
+}
+
+/// The tests `cargo xtask test` was asked to run.
+pub struct Selection {
+    /// Only this backend's tests: those named `<backend>::..`.
+    pub db: Option<Backend>,
+    /// Whether they run against a current nats-server instead of the machine's.
+    pub current_nats: bool,
+    /// Whether every worker of the behaviour suite is batched.
+    pub batched: bool,
+    /// Only the tests whose name contains one of these; with `db`, the start of the name after
+    /// the backend.
+    pub filters: Vec<String>,
+}
+
+/// `cargo xtask test [--db X] [--nats N] [--batched] [-- FILTER...]`: with none, services,
+/// formatting, lints, every test, a short chaos run; with any, services and the selected tests
+/// only.
+pub async fn run(options: Options) -> Result<(), String> {
+    let options = match options {
+        Options::Everything => return everything().await,
+        Options::Only(selection) => selection,
+    };
+    let (db, filters, batched) = (options.db, options.filters.as_slice(), options.batched);
+    let current = options.current_nats;
+    let backends = db.map_or(Backend::ALL.to_vec(), |b| vec![b]);
+    services::ensure(&services::needed(&backends)).await?;
+    // PostgreSQL's tests include those of its partitioned layout (`postgres_partitioned::`).
+    let prefixes = |b: Backend| match b {
+        Backend::Postgres => vec!["postgres".to_owned(), "postgres_partitioned".to_owned()],
+        other => vec![other.name().to_owned()],
+    };
+    let filters: Vec<String> = match (db, filters) {
+        (Some(b), []) => prefixes(b).iter().map(|p| format!("{p}::")).collect(),
+        (Some(b), f) => prefixes(b)
+            .iter()
+            .flat_map(|p| f.iter().map(move |f| format!("{p}::{f}")))
+            .collect(),
+        (None, f) => f.to_vec(),
+    };
+    let mut args = vec!["test", "--workspace", "--"];
+    args.extend(filters.iter().map(String::as_str));
+    if batched {
+        args.splice(1..2, ["-p", "inbox-tests"]);
+        return batched_tests(&args);
+    }
+    if current {
+        on_current_nats(&args).await
+    } else {
+        cargo_step("tests", &args)
+    }
+}
+
+/// What CI runs: services, formatting, lints, docs, one build; then every test on the machine's
+/// nats-server beside a short chaos run on each server; then the behaviour suite batched and
+/// every test but the macro's UI tests on a current release, side by side.
+async fn everything() -> Result<(), String> {
+    services::ensure(&services::needed(&Backend::ALL)).await?;
+    cargo_step("formatting", &["fmt", "--all", "--", "--check"])?;
+    cargo_step(
+        "clippy",
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--quiet",
+            "--",
+            "-D",
+            "warnings",
+        ],
+    )?;
+    // The docs.rs page: the crate's README with every feature, no broken link.
+    cargo_step_with(
+        "docs",
+        &[
+            "doc",
+            "--quiet",
+            "--no-deps",
+            "--all-features",
+            "-p",
+            "inbox-runtime",
+            "-p",
+            "inbox-macros",
+        ],
+        &[("RUSTDOCFLAGS", std::ffi::OsStr::new("-D warnings"))],
+    )?;
+    // Everything built once, up front; then the chaos runs (private nats-servers, databases of
+    // their own) side by side with the test passes.
+    cargo_step(
+        "building the tests",
+        &["test", "--workspace", "--no-run", "--quiet"],
+    )?;
+    let credit = build_credit(false)?;
+    let email = build_example("email", false)?;
+    // Installed once here, not by the two sides at once.
+    nats_current::binary()?;
+    let chaos = async move {
+        let started = std::time::Instant::now();
+        chaos::run_with(chaos::Options::short(), &credit, &email).await?;
+        let mut on_current = chaos::Options::short();
+        on_current.common.current_nats = true;
+        chaos::run_with(on_current, &credit, &email).await?;
+        eprintln!("xtask: chaos runs passed in {:?}", started.elapsed());
+        Ok::<(), String>(())
+    };
+    // cargo holds its build lock while it builds, not while tests run: with nothing left to
+    // build, the two test passes run side by side too.
+    let machine = async {
+        let started = std::time::Instant::now();
+        blocking(|| cargo_step("tests", &["test", "--workspace"])).await?;
+        eprintln!("xtask: test pass passed in {:?}", started.elapsed());
+        Ok::<(), String>(())
+    };
+    let batched = async {
+        let started = std::time::Instant::now();
+        blocking(|| batched_tests(&["test", "-p", "inbox-tests"])).await?;
+        eprintln!("xtask: batched test pass passed in {:?}", started.elapsed());
+        Ok::<(), String>(())
+    };
+    let current = async {
+        let started = std::time::Instant::now();
+        // The same build (the same packages, so no rebuild): the behaviour tests are what talks
+        // to NATS; the unit tests that run again with them are quick. Not the macro's UI tests:
+        // no server is involved, and trybuild's compiles are the heaviest part of a pass.
+        on_current_nats(&["test", "--workspace", "--exclude", "inbox-ui-tests"]).await?;
+        eprintln!(
+            "xtask: current-nats test pass passed in {:?}",
+            started.elapsed()
+        );
+        Ok::<(), String>(())
+    };
+    // The machine's pass first, beside the chaos runs; then the other two side by side.
+    let tests = async {
+        machine.await?;
+        let (batched, current) = tokio::join!(batched, current);
+        batched.and(current)
+    };
+    // One task: the test passes wait on blocking threads, so the chaos runs keep going.
+    let (tests, chaos) = tokio::join!(tests, chaos);
+    tests.and(chaos)
+}
+
+/// Runs `step` (a cargo invocation, which blocks) on a blocking thread, so that the chaos runs
+/// beside it keep going.
+async fn blocking(
+    step: impl FnOnce() -> Result<(), String> + Send + 'static,
+) -> Result<(), String> {
+    tokio::task::spawn_blocking(step)
+        .await
+        .map_err(|e| format!("a test step panicked: {e}"))?
+}
+
+/// Runs `cargo args` with every worker of the behaviour suite batched (8 messages per
+/// transaction, `INBOX_TEST_BATCH`): both modes keep the same contract.
+fn batched_tests(args: &[&str]) -> Result<(), String> {
+    let batch = std::ffi::OsString::from("8");
+    cargo_step_with(
+        "batched tests",
+        args,
+        &[("INBOX_TEST_BATCH", batch.as_os_str())],
+    )
+}
+
+/// Runs `cargo args` against a current nats-server ([`nats_current::VERSION`]): a private one
+/// for the shared server's role, and the same binary for the servers tests start themselves.
+async fn on_current_nats(args: &[&str]) -> Result<(), String> {
+    let binary = nats_current::binary()?;
+    let server = inbox_testkit::PrivateNats::start_binary(binary.clone()).await?;
+    let what = format!("tests on nats-server {}", nats_current::VERSION);
+    eprintln!("xtask: {what}, at {}", server.url);
+    let env = [
+        ("INBOX_TEST_NATS_URL", std::ffi::OsStr::new(&server.url)),
+        (inbox_testkit::NATS_SERVER_ENV, binary.as_os_str()),
+    ];
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let env: Vec<(&'static str, std::ffi::OsString)> =
+        env.iter().map(|(k, v)| (*k, v.to_os_string())).collect();
+    let result = blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let env: Vec<(&str, &std::ffi::OsStr)> =
+            env.iter().map(|(k, v)| (*k, v.as_os_str())).collect();
+        cargo_step_with(&what, &args, &env)
+    })
+    .await;
+    drop(server);
+    result
+}

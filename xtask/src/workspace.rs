@@ -1,0 +1,57 @@
+//! The workspace and its cargo: where it lives, running cargo in it, building an example.
+//!
+//! Kept apart from `main.rs` so that every task can use it without importing the crate root,
+//! which imports the tasks.
+
+use std::ffi::OsStr;
+use std::path::PathBuf;
+
+/// The workspace's root directory.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_owned()
+}
+
+/// Runs `cargo args`, failing with `what` when it fails.
+pub fn cargo_step(what: &str, args: &[&str]) -> Result<(), String> {
+    cargo_step_with(what, args, &[])
+}
+
+/// [`cargo_step`] with `env` set for cargo and what it runs.
+pub fn cargo_step_with(what: &str, args: &[&str], env: &[(&str, &OsStr)]) -> Result<(), String> {
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let status = std::process::Command::new(cargo())
+        .args(args)
+        .envs(env.iter().copied())
+        .current_dir(root())
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed ({status})"))
+    }
+}
+
+/// The cargo that runs us.
+fn cargo() -> String {
+    std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
+}
+
+/// Builds the `credit` binary (release or debug) and returns its path.
+pub fn build_credit(release: bool) -> Result<PathBuf, String> {
+    build_example("credit", release)
+}
+
+/// Builds the example binary `bin` (debug, or release) and returns its path.
+pub fn build_example(bin: &str, release: bool) -> Result<PathBuf, String> {
+    let mut build = vec!["build", "--quiet", "-p", "inbox-examples", "--bin", bin];
+    if release {
+        build.push("--release");
+    }
+    cargo_step(&format!("building {bin}"), &build)?;
+    let profile = if release { "release" } else { "debug" };
+    Ok(root().join("target").join(profile).join(bin))
+}
