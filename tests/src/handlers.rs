@@ -45,6 +45,9 @@ pub struct Probe {
     release: Notify,
     failures_left: AtomicUsize,
     failure: Failure,
+    /// While set, every run waits at the gate (after writing) until [`Probe::resume`].
+    paused: std::sync::atomic::AtomicBool,
+    resumed: Notify,
 }
 
 /// How a [`Probe::failing`] handler fails.
@@ -105,6 +108,18 @@ impl Probe {
         self.release.notify_one()
     }
 
+    /// From now on every run waits at the gate, after writing, with its transaction open, until
+    /// [`Probe::resume`]: progress stops where the test wants it stopped, whatever the speed.
+    pub fn pause(&self) {
+        self.paused.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets every paused run, and every later one, through the gate.
+    pub fn resume(&self) {
+        self.paused.store(false, Ordering::SeqCst);
+        self.resumed.notify_waiters();
+    }
+
     /// Called by the handler as its body starts.
     pub fn on_run(&self) {
         self.started.lock().unwrap().push(std::time::Instant::now());
@@ -113,6 +128,16 @@ impl Probe {
 
     /// Called by the handler after its write: holds when asked, then fails when asked.
     pub async fn gate(&self) -> Result<(), LedgerError> {
+        loop {
+            // Registered before the flag is read, so that a resume in between is not missed.
+            let resumed = self.resumed.notified();
+            tokio::pin!(resumed);
+            resumed.as_mut().enable();
+            if !self.paused.load(Ordering::SeqCst) {
+                break;
+            }
+            resumed.await;
+        }
         if self.hold {
             self.entered.notify_one();
             self.release.notified().await;
