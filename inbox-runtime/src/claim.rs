@@ -83,8 +83,10 @@ impl<DB: InboxBackend> Claim<DB> {
 
     /// A claim owned with `fence` at `attempt`; its transaction begins on `pool` with `begin`.
     pub(crate) fn new(
-        (key, idempotency_key): (String, String),
-        (fence, attempt): (i64, i64),
+        key: String,
+        idempotency_key: String,
+        fence: i64,
+        attempt: i64,
         pool: Pool<DB>,
         begin: SqlStr,
     ) -> Self {

@@ -63,13 +63,65 @@ fn layers(architecture: &str) -> Result<Vec<Layer>, String> {
     Ok(layers)
 }
 
-/// `text` without comments (line comments, doc comments, block comments) and string literals,
-/// so that a doc link such as [`Inbox`](crate::Inbox) or a path in a message is not an import.
+/// `text` without comments (line comments, doc comments, block comments), string literals (raw
+/// ones included) and char literals, so that a doc link such as [`Inbox`](crate::Inbox) or a
+/// path in a message is not an import, and a `'"'` does not hide the code after it.
 fn code_of(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     let mut chars = text.chars().peekable();
+    let mut last = ' ';
     while let Some(c) = chars.next() {
+        let word_before = last.is_ascii_alphanumeric() || last == '_';
+        last = c;
         match c {
+            // A raw string: r"..", r#".."#; not the end of a word such as `for`.
+            'r' if !word_before && matches!(chars.peek(), Some('"' | '#')) => {
+                let mut hashes = 0;
+                while chars.peek() == Some(&'#') {
+                    chars.next();
+                    hashes += 1;
+                }
+                if chars.next() != Some('"') {
+                    // `r#ident`, a raw identifier: keep the word.
+                    out.push('r');
+                    continue;
+                }
+                let mut closing = 0;
+                for c in chars.by_ref() {
+                    match (closing, c) {
+                        (_, '"') => closing = 1,
+                        (n, '#') if n > 0 => closing += 1,
+                        _ => closing = 0,
+                    }
+                    if closing == hashes + 1 {
+                        break;
+                    }
+                }
+                out.push_str("\"\"");
+                last = '"';
+            }
+            // A char literal ('x', '\n', '"'); a lifetime ('a) has no closing quote.
+            '\'' => {
+                let mut ahead = chars.clone();
+                match (ahead.next(), ahead.next()) {
+                    (Some('\\'), _) => {
+                        chars.next();
+                        chars.next();
+                        for c in chars.by_ref() {
+                            if c == '\'' {
+                                break;
+                            }
+                        }
+                        out.push_str("' '");
+                    }
+                    (Some(_), Some('\'')) => {
+                        chars.next();
+                        chars.next();
+                        out.push_str("' '");
+                    }
+                    _ => out.push(c),
+                }
+            }
             '/' if chars.peek() == Some(&'/') => {
                 for c in chars.by_ref() {
                     if c == '\n' {
@@ -412,5 +464,15 @@ mod checker {
              let s = \"crate::nope\"; // crate::also_not\nf(crate::g::h); $crate::m; x_crate::n;",
         );
         assert_eq!(crate_paths(&code), ["a", "b", "c", "g"]);
+    }
+
+    #[test]
+    fn char_literals_raw_strings_and_lifetimes_hide_no_code() {
+        let code = code_of(
+            "let q = '\"'; use crate::a;\nlet e = '\\''; use crate::b;\n\
+             let r = r#\"x \" crate::nope \"#; use crate::c;\n\
+             fn f<'x>(s: &'x str) -> char { 'y' }\nuse crate::d; let r#type = 1; crate::e::f();",
+        );
+        assert_eq!(crate_paths(&code), ["a", "b", "c", "d", "e"]);
     }
 }

@@ -128,11 +128,10 @@ impl<DB: InboxBackend> Relay<DB> {
             let streams = &streams;
             async move {
                 let mut sent = Vec::with_capacity(rows.len());
-                for row in rows {
+                for OutboxRow { id, msg_id, subject, headers, payload, .. } in rows {
                     if Instant::now() >= deadline {
                         break;
                     }
-                    let (subject, msg_id) = (row.subject.clone(), row.msg_id.clone());
                     let stream = match &streams[&subject] {
                         Ok(stream) => stream,
                         Err(why) => {
@@ -140,8 +139,7 @@ impl<DB: InboxBackend> Relay<DB> {
                             break;
                         }
                     };
-                    let id = row.id;
-                    match publish_one(js, stream, row).await {
+                    match publish_one(js, stream, &subject, &msg_id, &headers, payload).await {
                         Ok(duplicate) => sent.push((id, duplicate)),
                         Err(e) => {
                             tracing::warn!(outbox = table, %subject, error = %e, "publishing outbox row {msg_id} failed; it stays pending");
@@ -212,18 +210,21 @@ async fn heads<DB: InboxBackend>(
 async fn publish_one(
     js: &jetstream::Context,
     stream: &str,
-    row: OutboxRow,
+    subject: &str,
+    msg_id: &str,
+    headers: &str,
+    payload: Vec<u8>,
 ) -> Result<bool, async_nats::Error> {
-    let pairs: Vec<(String, String)> = serde_json::from_str(&row.headers)?;
+    let pairs: Vec<(String, String)> = serde_json::from_str(headers)?;
     let mut map = HeaderMap::new();
     for (name, value) in &pairs {
         map.append(name.as_str(), value.as_str());
     }
     let message = PublishMessage::build()
-        .payload(row.payload.into())
+        .payload(payload.into())
         .headers(map)
-        .message_id(&row.msg_id)
+        .message_id(msg_id)
         .expected_stream(stream);
-    let ack = js.send_publish(row.subject, message).await?.await?;
+    let ack = js.send_publish(subject.to_owned(), message).await?.await?;
     Ok(ack.duplicate)
 }

@@ -95,11 +95,10 @@ impl<DB: InboxBackend> Inbox<DB> {
             armed: true,
         };
         let mut claim = Claim::new(
-            (
-                key.to_owned(),
-                idempotency_key(self.table(), H::CONSUMER, key),
-            ),
-            (fence, attempt),
+            key.to_owned(),
+            idempotency_key(self.table(), H::CONSUMER, key),
+            fence,
+            attempt,
             self.pool().clone(),
             self.sql.begin.clone(),
         );
