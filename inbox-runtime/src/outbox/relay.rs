@@ -8,6 +8,7 @@ use super::streams::{Checks, check_stream};
 use crate::backend::InboxBackend;
 use crate::backoff::Backoff;
 use async_nats::jetstream;
+#[cfg(feature = "test-util")]
 use futures::future::BoxFuture;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -60,6 +61,7 @@ impl Counters {
 }
 
 /// A hook between the PubAcks and the mark (tests stop a relay there, as a crash would).
+#[cfg(feature = "test-util")]
 pub type Hook = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 
 /// Publishes an [`Outbox`]'s committed rows; run by [`App::relay`](crate::App::relay) next to
@@ -74,6 +76,7 @@ pub struct Relay<DB: InboxBackend> {
     /// This relay's name in a lease relays take turns by.
     pub(super) owner: String,
     pub(super) lease: Duration,
+    #[cfg(feature = "test-util")]
     before_mark: Option<Hook>,
 }
 
@@ -89,6 +92,7 @@ impl<DB: InboxBackend> Relay<DB> {
             counters: Arc::default(),
             owner: nuid::next().to_string(),
             lease: DEFAULT_RELAY_LEASE,
+            #[cfg(feature = "test-util")]
             before_mark: None,
         }
     }
@@ -170,8 +174,9 @@ impl<DB: InboxBackend> Relay<DB> {
         self
     }
 
-    /// Runs the `before_mark` hook, if a test set one.
+    /// Runs the `before_mark` hook, if a test set one (nothing without `test-util`).
     pub(super) async fn hook(&self) {
+        #[cfg(feature = "test-util")]
         if let Some(hook) = &self.before_mark {
             hook().await;
         }
