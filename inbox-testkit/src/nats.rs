@@ -323,6 +323,22 @@ pub async fn publish_raw(
     headers: &[(&str, &str)],
     payload: &[u8],
 ) -> Result<(), String> {
+    let lines: Vec<Vec<u8>> = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}").into_bytes())
+        .collect();
+    publish_raw_lines(url, subject, &lines, payload).await
+}
+
+/// [`publish_raw`] with each header line given as bytes (`name: value`, without the CRLF): any
+/// bytes a raw connection can send, such as a header name with a non-ASCII or control byte, or
+/// a value that is not UTF-8, which nats-server stores as they are.
+pub async fn publish_raw_lines(
+    url: &str,
+    subject: &str,
+    lines: &[Vec<u8>],
+    payload: &[u8],
+) -> Result<(), String> {
     use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
     let address = url.trim_start_matches("nats://");
     let stream = tokio::net::TcpStream::connect(address)
@@ -337,17 +353,19 @@ pub async fn publish_raw(
     if !line.starts_with("INFO ") {
         return Err(format!("NATS at {address} sent {line:?} instead of INFO"));
     }
-    let mut head = String::from("NATS/1.0\r\n");
-    for (name, value) in headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
+    let mut head = b"NATS/1.0\r\n".to_vec();
+    for l in lines {
+        head.extend_from_slice(l);
+        head.extend_from_slice(b"\r\n");
     }
-    head.push_str("\r\n");
+    head.extend_from_slice(b"\r\n");
     let mut frame = format!(
-        "CONNECT {{\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}}\r\nHPUB {subject} {} {}\r\n{head}",
+        "CONNECT {{\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}}\r\nHPUB {subject} {} {}\r\n",
         head.len(),
         head.len() + payload.len()
     )
     .into_bytes();
+    frame.extend_from_slice(&head);
     frame.extend_from_slice(payload);
     frame.extend_from_slice(b"\r\nPING\r\n");
     reader

@@ -180,6 +180,40 @@ impl NatsStream {
             .expect("create consumer")
     }
 
+    /// Creates a durable pull consumer with explicit acks and the given `max_deliver`.
+    pub async fn consumer_with(
+        &self,
+        durable: &str,
+        ack_wait: Duration,
+        max_deliver: i64,
+    ) -> jetstream::consumer::PullConsumer {
+        self.js
+            .get_stream(&self.stream)
+            .await
+            .expect("get stream")
+            .create_consumer(pull::Config {
+                durable_name: Some(durable.to_owned()),
+                ack_wait,
+                max_deliver,
+                ..Default::default()
+            })
+            .await
+            .expect("create consumer")
+    }
+
+    /// A new connection to the test's server, with JetStream on it.
+    pub async fn connection(&self) -> jetstream::Context {
+        let client = inbox_testkit::connect(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        jetstream::new(client)
+    }
+
+    /// The test server's URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
     /// The same consumer, seen through another connection: a second "instance".
     pub async fn consumer_on_new_connection(&self, durable: &str) -> OnConnection {
         let client = inbox_testkit::connect(&self.url)
@@ -281,6 +315,10 @@ impl Drop for NatsStream {
                 let js = jetstream::new(client);
                 let _ = js.delete_stream(&stream).await;
                 let _ = js.delete_stream(&dlq).await;
+                // The delivery-limit backstop's, when a worker ran one.
+                let _ = js
+                    .delete_stream(inbox_runtime::advisory_stream_name(&stream))
+                    .await;
             }
         });
     }

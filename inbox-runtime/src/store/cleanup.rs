@@ -8,8 +8,9 @@ use super::Inbox;
 use crate::backend::fleet::{FleetLock, delete_in_batches};
 use crate::backend::{DeleteBatch, InboxBackend};
 use crate::layout::Layout;
+use crate::stored::{self, Lookup};
 use async_nats::jetstream::consumer::{self, PullConsumer};
-use async_nats::jetstream::stream::{self, RawMessageErrorKind, Stream};
+use async_nats::jetstream::{self, stream};
 use std::fmt;
 use std::time::Duration;
 
@@ -156,17 +157,16 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// stopped or lagging for longer than the retention still finds the markers of what it has
     /// yet to process. With nothing pending, the cutoff is `retention` ago.
     ///
-    /// `stream` is the consumer's stream. When the consumer's progress cannot be read, nothing is
-    /// deleted.
+    /// The consumer's progress is read on `js`. When it cannot be read, nothing is deleted.
     pub async fn cleanup_behind(
         &self,
         consumer: &str,
+        js: &jetstream::Context,
         durable: &PullConsumer,
-        stream: &Stream,
         retention: Duration,
         batch: u32,
     ) -> Result<Option<u64>, CleanupError> {
-        let lag = consumer_lag(durable, stream)
+        let lag = consumer_lag(js, durable)
             .await
             .map_err(|source| CleanupError::Progress {
                 durable: durable.cached_info().name.clone(),
@@ -182,8 +182,8 @@ impl<DB: InboxBackend> Inbox<DB> {
 /// message is acked. Conservative: the first message stored after the consumer's ack floor
 /// (of its subject, when it filters one) is at most as old as the oldest unacked one.
 async fn consumer_lag(
+    js: &jetstream::Context,
     durable: &PullConsumer,
-    stream: &Stream,
 ) -> Result<Duration, async_nats::Error> {
     let info = durable.get_info().await?;
     if info.num_pending == 0 && info.num_ack_pending == 0 {
@@ -193,19 +193,19 @@ async fn consumer_lag(
         "" => ">".to_owned(),
         one => one.to_owned(),
     };
-    let oldest = stream
-        .raw_message_builder()
-        .sequence(info.ack_floor.stream_sequence + 1)
-        .next_by_subject(subject)
-        .send()
-        .await;
-    let published = match oldest {
-        Ok(message) => message.time.unix_timestamp_nanos(),
+    // Read through the JSON API: a header block the client cannot parse (sent by another
+    // client) must not stop cleanup (see `stored.rs`).
+    let lookup = Lookup::NextBySubject(info.ack_floor.stream_sequence + 1, &subject);
+    let published = match stored::read(js, &info.stream_name, lookup).await? {
+        Some(message) => message.published,
         // Nothing stored after the floor any more (removed by the stream's limits): nothing
         // can be redelivered.
-        Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(Duration::ZERO),
-        Err(e) => return Err(e.into()),
+        None => return Ok(Duration::ZERO),
     };
+    let published = published
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as i128;
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()

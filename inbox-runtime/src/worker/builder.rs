@@ -1,6 +1,7 @@
 //! Options: [`WorkerBuilder`] collects what the user asks for; `check.rs` decides, from the
 //! consumer's configuration, whether it can be served and with which settings.
 
+use super::backstop::AdvisoryStream;
 use super::check::{Batching, Options, Sweep, ack_wait_of, check};
 use super::names::claim_consumer_name;
 use super::{Worker, WorkerError};
@@ -191,6 +192,36 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// Redeliveries stay covered: the cutoff follows the consumer.
     pub fn allow_unlimited_stream_age(mut self) -> Self {
         self.options.unlimited_age_ok = true;
+        self
+    }
+
+    /// Runs the delivery-limit backstop (on by default in an [`App`](crate::App)): a message
+    /// whose last delivery ends without a verdict (the process holding it killed, a header the
+    /// client cannot parse, `max_deliver` lowered under a running instance) is dead-lettered
+    /// unless its marker is committed. The server's delivery-limit advisories of the consumer's
+    /// stream are kept in a stream `INBOX_ADVISORIES_<stream>`
+    /// ([`advisory_stream_name`](crate::advisory_stream_name); created at start when missing,
+    /// kept 7 days, left in place so that advisories published while no instance runs are kept),
+    /// and read with a durable consumer shared by every instance
+    /// (`inbox_backstop_<stream>_<durable>`). See the README's "Delivery limit" for what it does
+    /// not cover.
+    pub fn backstop(mut self) -> Self {
+        self.options.backstop = Some(AdvisoryStream::PerStream);
+        self
+    }
+
+    /// [`WorkerBuilder::backstop`], keeping the advisories in `stream`: one that already takes
+    /// `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>` (a stream of every
+    /// `$JS.EVENT.>` kept for monitoring, whose subjects a new stream could not overlap), or
+    /// one created when missing.
+    pub fn backstop_in(mut self, stream: impl Into<String>) -> Self {
+        self.options.backstop = Some(AdvisoryStream::Named(stream.into()));
+        self
+    }
+
+    /// No delivery-limit backstop (see [`WorkerBuilder::backstop`]).
+    pub fn without_backstop(mut self) -> Self {
+        self.options.backstop = None;
         self
     }
 

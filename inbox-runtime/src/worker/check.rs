@@ -40,6 +40,8 @@ pub(crate) struct Options {
     pub cleanup_every: Duration,
     /// The sweeper's period and threshold; the threshold defaults to 5 × `ack_wait`.
     pub sweep: (Duration, Option<Duration>),
+    /// The delivery-limit backstop's advisory stream, when it runs.
+    pub backstop: Option<super::backstop::AdvisoryStream>,
 }
 
 impl Default for Options {
@@ -59,6 +61,7 @@ impl Default for Options {
             cleanup_margin: Duration::from_secs(3600),
             cleanup_every: Duration::from_secs(60),
             sweep: (Duration::from_secs(60), None),
+            backstop: None,
         }
     }
 }
@@ -87,6 +90,8 @@ pub(crate) struct Settings {
     pub cleanup: Option<Schedule>,
     /// The sweeper of open claims (two-phase handlers only; set by `build`).
     pub sweep: Option<Sweep>,
+    /// The delivery-limit backstop's advisory stream, when it runs.
+    pub backstop: Option<super::backstop::AdvisoryStream>,
 }
 
 /// Batched commits: see [`WorkerBuilder::batch`].
@@ -194,6 +199,7 @@ pub(crate) fn check(
         limits,
         cleanup,
         sweep: None,
+        backstop: options.backstop.clone(),
     })
 }
 

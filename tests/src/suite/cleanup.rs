@@ -216,8 +216,7 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
     )
     .await
     .unwrap();
-    let stream = nats.js.get_stream(&nats.stream).await.unwrap();
-    let pass = inbox.cleanup_behind("ledger", &consumer, &stream, retention, 10);
+    let pass = inbox.cleanup_behind("ledger", &nats.js, &consumer, retention, 10);
     assert_eq!(
         pass.await.unwrap(),
         Some(0),
@@ -240,7 +239,7 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
         "the marker to be cleaned up",
         Duration::from_secs(30),
         async || {
-            let pass = inbox.cleanup_behind("ledger", &consumer, &stream, retention, 10);
+            let pass = inbox.cleanup_behind("ledger", &nats.js, &consumer, retention, 10);
             pass.await.unwrap() == Some(1)
         },
     )
