@@ -98,10 +98,16 @@ pub async fn run() -> Result<(), String> {
     };
     let mut result = credit::run(part).await;
     let _ = js.delete_stream(&config.stream).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(&config.stream))
+        .await;
     if result.is_ok() {
         result = chain::run(part).await;
     }
     let _ = js.delete_stream(config.events_stream()).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(&config.events_stream()))
+        .await;
     if result.is_ok() {
         result = email::run(part).await;
     }
