@@ -165,7 +165,8 @@ pub(crate) async fn jetstream_consumer(
     let stream = js
         .get_or_create_stream(stream::Config {
             name: config.stream.to_owned(),
-            // Messages are kept three days, markers seven (RETENTION), above the floor.
+            // Messages are kept three days, their markers RETENTION longer. An existing stream
+            // is taken as it is, whatever its limits: markers follow its messages.
             max_age: MAX_AGE,
             subjects: vec![config.subject.to_owned()],
             ..Default::default()

@@ -129,6 +129,23 @@ impl NatsStream {
 
     /// Creates a stream with random names on the server at `url`.
     pub async fn create_at(url: &str) -> NatsStream {
+        let config = stream::Config {
+            // An hour outlives every test, and bounds what a test that failed leaves behind.
+            max_age: Duration::from_secs(3600),
+            ..Default::default()
+        };
+        Self::create_with_at(url, config).await
+    }
+
+    /// Creates a stream with random names and `config`'s settings (its name and subjects are
+    /// replaced) on the test server: `stream::Config::default()` for one made as `nats stream
+    /// add` makes it, keeping messages forever.
+    pub async fn create_with(config: stream::Config) -> NatsStream {
+        Self::create_with_at(&nats_url(), config).await
+    }
+
+    /// [`NatsStream::create_with`] on the server at `url`.
+    pub async fn create_with_at(url: &str, config: stream::Config) -> NatsStream {
         let client = inbox_testkit::connect(url)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
@@ -138,9 +155,7 @@ impl NatsStream {
         js.create_stream(stream::Config {
             name: stream.clone(),
             subjects: vec![subject.clone()],
-            // Finite, as the worker's cleanup requires; an hour outlives every test.
-            max_age: Duration::from_secs(3600),
-            ..Default::default()
+            ..config
         })
         .await
         .unwrap_or_else(|e| panic!("JetStream at {url} cannot create a stream: {e}"));

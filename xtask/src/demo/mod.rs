@@ -82,7 +82,7 @@ pub async fn run() -> Result<(), String> {
     js.get_or_create_stream(stream::Config {
         name: config.stream.clone(),
         subjects: vec![config.subject.clone()],
-        // Finite, as `credit`'s cleanup requires.
+        // An hour: what a run leaves goes by itself, and the markers behind it with it.
         max_age: std::time::Duration::from_secs(3600),
         ..Default::default()
     })
