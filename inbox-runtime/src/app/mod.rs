@@ -146,7 +146,8 @@ impl<DB: InboxBackend> App<DB> {
     /// client cannot parse (sent by another client; the client drops its connection when one is
     /// delivered) interrupts every handler at each of its deliveries.
     ///
-    /// Stream and consumer lookups, the backstop and the relays stay on the app's connection.
+    /// A handler's backstop (see [`WorkerBuilder::backstop`]) reads on its connection too;
+    /// stream and consumer lookups and the relays stay on the app's.
     pub fn pull_connections<F, Fut>(mut self, connect: F) -> Self
     where
         F: Fn() -> Fut + Send + Sync + 'static,
