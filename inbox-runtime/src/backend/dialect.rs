@@ -147,19 +147,21 @@ pub trait Backend: sqlx::Database + Generic {
         }
     }
 
-    /// Takes the fleet-wide cleanup lock `name` on `conn` without waiting; `false` when
-    /// another instance holds it. The default suits a database with a single writer, whose
-    /// cleanups serialise on its write lock anyway.
-    fn try_cleanup_lock<'a>(
+    /// Takes the fleet-wide lock `name` (a session lock: cleanups, migrations) on `conn`,
+    /// waiting at most `wait` for another instance to release it (zero: not at all); `false`
+    /// when another instance still holds it. The default suits a database with a single
+    /// writer, whose cleanups and migrations serialise on its write lock anyway.
+    fn fleet_lock<'a>(
         conn: &'a mut Self::Connection,
         name: &'a str,
+        wait: Duration,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send + 'a {
-        let _ = (conn, name);
+        let _ = (conn, name, wait);
         std::future::ready(Ok(true))
     }
 
-    /// Releases the lock taken by [`Backend::try_cleanup_lock`].
-    fn cleanup_unlock<'a>(
+    /// Releases the lock taken by [`Backend::fleet_lock`].
+    fn fleet_unlock<'a>(
         conn: &'a mut Self::Connection,
         name: &'a str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'a {

@@ -6,6 +6,7 @@ use super::rows::{
     Backlog, ClaimState, DeleteBatch, KeyId, NewOutboxRow, OpenClaimRow, OutboxRow, ParkedRow,
 };
 use sqlx::migrate::{MigrateError, Migrator};
+use sqlx::pool::PoolConnection;
 use sqlx::{Pool, SqlStr};
 use std::future::Future;
 
@@ -97,12 +98,6 @@ pub trait Generic: sqlx::Database {
         sql: SqlStr,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
-    /// Runs `sql`, without binds, on `pool`.
-    fn execute<'a>(
-        pool: &'a Pool<Self>,
-        sql: SqlStr,
-    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
-
     /// The outbox: runs `sql` binding (msg id, subject, order key, headers, payload).
     fn outbox_insert<'a>(
         conn: &'a mut Self::Connection,
@@ -139,9 +134,9 @@ pub trait Generic: sqlx::Database {
         lease_secs: f64,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
-    /// Runs `migrator` on `pool`.
+    /// Runs `migrator` on `conn` (the connection holding the migration lock).
     fn run_migrator<'a>(
-        pool: &'a Pool<Self>,
+        conn: &'a mut PoolConnection<Self>,
         migrator: &'a Migrator,
     ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a;
 }
@@ -340,14 +335,13 @@ where
             .await
     }
 
-    async fn execute(pool: &Pool<DB>, sql: SqlStr) -> Result<DB::QueryResult, sqlx::Error> {
-        sqlx::query::<DB>(sql).execute(pool).await
-    }
-
     fn run_migrator<'a>(
-        pool: &'a Pool<DB>,
+        conn: &'a mut PoolConnection<DB>,
         migrator: &'a Migrator,
     ) -> impl Future<Output = Result<(), MigrateError>> + Send + 'a {
-        migrator.run(pool)
+        // What `Migrator::run` does once it has a connection. `run` itself takes an `Acquire`,
+        // and its future, on a `&mut` connection, is not provably `Send` here ("implementation
+        // of `Acquire` is not general enough"): sqlx keeps `run_direct` public for that case.
+        migrator.run_direct(None, &mut **conn, false)
     }
 }

@@ -1,11 +1,12 @@
-//! Cleanups one instance at a time across the fleet: a lock that is a *session* lock of the
-//! database (PostgreSQL's advisory lock, MySQL's `GET_LOCK`; SQLite's single writer needs none),
-//! and the bounded batches a cleanup deletes in under it. Both the inbox's cleanup and the
-//! outbox relay's go through here.
+//! One instance at a time across the fleet: a lock that is a *session* lock of the database
+//! (PostgreSQL's advisory lock, MySQL's `GET_LOCK`; SQLite's single writer needs none), taken
+//! without waiting by cleanups (the inbox's and the outbox relay's, which then delete in the
+//! bounded batches here) and with a bounded wait by migrations (`migrate.rs`).
 
 use super::{DeleteBatch, InboxBackend};
 use sqlx::pool::PoolConnection;
 use sqlx::{Pool, SqlStr};
+use std::time::Duration;
 
 /// A fleet lock held on a connection of its own. A connection returned to the pool while still
 /// holding the lock (a cleanup cancelled half-way, an unlock that failed) would keep every
@@ -24,6 +25,17 @@ impl<DB: InboxBackend> FleetLock<DB> {
         pool: &Pool<DB>,
         name: String,
     ) -> Result<Option<Self>, sqlx::Error> {
+        Self::take(pool, name, Duration::ZERO).await
+    }
+
+    /// Takes lock `name` on a connection of `pool`, waiting at most `wait` (in the database,
+    /// where the wait shows as a session waiting for a lock) for another instance to release
+    /// it; `None` when it still holds it then.
+    pub(crate) async fn take(
+        pool: &Pool<DB>,
+        name: String,
+        wait: Duration,
+    ) -> Result<Option<Self>, sqlx::Error> {
         // Counted as held from before it is asked for: cancelled while the server grants it,
         // the connection must not go back to the pool holding it.
         let mut lock = FleetLock {
@@ -31,7 +43,7 @@ impl<DB: InboxBackend> FleetLock<DB> {
             name,
             locked: true,
         };
-        if DB::try_cleanup_lock(&mut lock.conn, &lock.name).await? {
+        if DB::fleet_lock(&mut lock.conn, &lock.name, wait).await? {
             Ok(Some(lock))
         } else {
             lock.locked = false;
@@ -39,20 +51,20 @@ impl<DB: InboxBackend> FleetLock<DB> {
         }
     }
 
-    /// The connection holding the lock: the cleanup runs on it, so that it takes one connection
-    /// of the pool, as the pool split counts it.
-    pub(crate) fn conn(&mut self) -> &mut DB::Connection {
+    /// The connection holding the lock: the work it guards runs on it, so that it takes one
+    /// connection of the pool, as the pool split counts it (and a pool of one is enough).
+    pub(crate) fn conn(&mut self) -> &mut PoolConnection<DB> {
         &mut self.conn
     }
 
     /// Releases the lock; when that fails, the connection is closed rather than pooled.
     pub(crate) async fn release(mut self) {
-        match DB::cleanup_unlock(&mut self.conn, &self.name).await {
+        match DB::fleet_unlock(&mut self.conn, &self.name).await {
             Ok(()) => self.locked = false,
             Err(e) => tracing::warn!(
                 lock = %self.name,
                 error = %e,
-                "releasing the cleanup lock failed; closing the connection"
+                "releasing the fleet lock failed; closing the connection"
             ),
         }
     }

@@ -1,12 +1,20 @@
 //! Migrations of the tables this crate owns (an inbox, its dead letters, an outbox): each
-//! tracked in a migrations table of its own, run by every instance at start and safe when they
-//! race.
+//! tracked in a migrations table of its own, run by every instance at start, one instance at a
+//! time per table.
 
+use super::fleet::FleetLock;
 use super::{InboxBackend, TableName};
 use crate::backoff::Backoff;
-use sqlx::migrate::{Migration, MigrationType, Migrator};
+use sqlx::migrate::{MigrateError, Migration, MigrationType, Migrator};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr};
 use std::time::Duration;
+
+/// How long an instance waits by default for another one migrating the same table before it
+/// gives up with an error naming the lock.
+pub(crate) const MIGRATION_LOCK_WAIT: Duration = Duration::from_secs(300);
+
+/// How many times a migration is run before its error is returned.
+const ATTEMPTS: u32 = 5;
 
 /// The migrator of `table` (`what` names its kind in each step's description: "inbox",
 /// "outbox"): `steps`, in order, tracked in a migrations table of our own
@@ -27,6 +35,9 @@ pub(crate) fn migrator(table: &TableName, what: &str, steps: Vec<String>) -> Mig
         .collect();
     let mut migrator = Migrator::with_migrations(migrations);
     migrator.dangerous_set_table_name(migrations_table(table));
+    // sqlx's own lock is one per database, taken without a bound (and on MariaDB not at all:
+    // `GET_LOCK(.., -1)` returns at once there). Ours, per table and bounded, replaces it.
+    migrator.set_locking(false);
     migrator
 }
 
@@ -35,8 +46,14 @@ fn migrations_table(table: &TableName) -> String {
     format!("_{table}_migrations")
 }
 
+/// The fleet lock that migrations of `table` take.
+pub(crate) fn lock_name(table: &TableName) -> String {
+    format!("migrate:{table}")
+}
+
 /// Forgets the interrupted run of migration `version` (recorded with `success = FALSE`), so that
-/// the migrator runs it again. Only for idempotent DDL, which every migration here is.
+/// the migrator runs it again. Only for idempotent DDL, which every migration here is, and only
+/// under the migration lock: without it, the row may be another instance's step in progress.
 fn forget_dirty_sql(table: &TableName, version: i64) -> SqlStr {
     let migrations = migrations_table(table);
     AssertSqlSafe(format!(
@@ -45,39 +62,86 @@ fn forget_dirty_sql(table: &TableName, version: i64) -> SqlStr {
     .into_sql_str()
 }
 
-/// Runs `migrator` (of `table`) on `pool`, where instances starting together race: sqlx takes no
-/// lock on SQLite, and its MySQL lock did not hold on MariaDB here, so the loser fails to record
-/// a migration the winner is applying or has applied. The DDL is idempotent; a later attempt
-/// sees it recorded.
+/// The error of an instance that waited `waited` for lock `lock` in vain.
+fn lock_wait_error(table: &TableName, lock: &str, waited: Duration) -> MigrateError {
+    let text = format!(
+        "waited {waited:?} for the migration lock {lock:?} of table {table}: another instance \
+         is migrating it, or a database session holds the lock (a connection pooler in \
+         transaction mode can pin it)"
+    );
+    MigrateError::Execute(sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        text,
+    )))
+}
+
+/// Runs `migrator` (of `table`) on `pool` while holding the table's migration lock, one instance
+/// at a time, waiting at most `wait` for another instance to finish: instances starting
+/// together each run the migrator in turn, and all but the first find every step recorded.
+///
+/// The migrator runs on the lock's connection (a pool of one connection is enough). Under the
+/// lock, a step recorded as dirty (`success = FALSE`: MySQL's DDL is not transactional, so a
+/// process killed inside a step leaves it so) was interrupted, not in progress elsewhere, and is
+/// run again: every step is idempotent. SQLite takes no lock (its single writer serialises the
+/// steps, each one transaction with its record, so it never shows a step in progress); an
+/// instance that loses a race there fails to record a step the winner recorded, and its next
+/// attempt finds it recorded.
 pub(crate) async fn migrate_racing<DB: InboxBackend>(
     pool: &Pool<DB>,
     table: &TableName,
     migrator: &Migrator,
-) -> Result<(), sqlx::migrate::MigrateError> {
+    wait: Duration,
+) -> Result<(), MigrateError> {
+    let name = lock_name(table);
+    let Some(mut lock) = FleetLock::take(pool, name.clone(), wait).await? else {
+        return Err(lock_wait_error(table, &name, wait));
+    };
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     let mut attempt = 1;
-    loop {
-        match DB::run_migrator(pool, migrator).await {
-            Ok(()) => return Ok(()),
-            // A step that was interrupted (MySQL's DDL is not transactional, so a process
-            // killed inside it leaves the step recorded as dirty) would block every restart.
-            // Every step is idempotent: forget the dirty record and run the step again.
-            Err(sqlx::migrate::MigrateError::Dirty(version)) if attempt < 5 => {
+    let result = loop {
+        match DB::run_migrator(lock.conn(), migrator).await {
+            Ok(()) => break Ok(()),
+            // An interrupted step would block every restart: forget it and run it again.
+            Err(MigrateError::Dirty(version)) if attempt < ATTEMPTS => {
                 tracing::warn!(
                     %table,
                     version,
                     "an earlier migration of the table was interrupted; running it again"
                 );
                 let forget = forget_dirty_sql(table, version);
-                DB::execute(pool, forget).await?;
+                if let Err(e) = DB::execute_raw(lock.conn(), forget).await {
+                    break Err(e.into());
+                }
                 attempt += 1;
             }
-            Err(e) if attempt < 5 => {
-                tracing::debug!(error = %e, attempt, %table, "migration raced another instance; retrying");
+            Err(e) if attempt < ATTEMPTS => {
+                tracing::debug!(error = %e, attempt, %table, "migration failed; retrying");
                 tokio::time::sleep(backoff.next()).await;
                 attempt += 1;
             }
-            Err(e) => return Err(e),
+            Err(e) => break Err(e),
+        }
+    };
+    lock.release().await;
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lock_wait_in_vain_names_the_lock_and_the_table() {
+        let table = TableName::default();
+        let err = lock_wait_error(&table, &lock_name(&table), Duration::from_secs(300));
+        let text = err.to_string();
+        for part in [
+            "\"migrate:inbox\"",
+            "table inbox",
+            "300s",
+            "another instance",
+        ] {
+            assert!(text.contains(part), "{part:?} missing from: {text}");
         }
     }
 }

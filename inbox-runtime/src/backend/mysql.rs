@@ -185,23 +185,26 @@ impl Backend for MySql {
         .into_sql_str()
     }
 
-    async fn try_cleanup_lock<'a>(
+    async fn fleet_lock<'a>(
         conn: &'a mut sqlx::MySqlConnection,
         name: &'a str,
+        wait: Duration,
     ) -> Result<bool, sqlx::Error> {
         // MySQL refuses lock names over 64 characters (ours can reach 263): the SHA-256 in hex
         // is exactly 64, and the same for every instance. Lock names are server-wide, so the
         // database's name is part of it: inboxes of two databases on one server (two
-        // applications, or two tests) must not take each other's lock.
+        // applications, or two tests) must not take each other's lock. The wait is in seconds
+        // (fractions allowed); never negative, which MariaDB takes for no wait at all.
         let got: Option<i64> =
-            sqlx::query_scalar("SELECT GET_LOCK(SHA2(CONCAT(DATABASE(), ?), 256), 0)")
+            sqlx::query_scalar("SELECT GET_LOCK(SHA2(CONCAT(DATABASE(), ?), 256), ?)")
                 .bind(name)
+                .bind(wait.as_secs_f64())
                 .fetch_one(conn)
                 .await?;
         Ok(got == Some(1))
     }
 
-    async fn cleanup_unlock<'a>(
+    async fn fleet_unlock<'a>(
         conn: &'a mut sqlx::MySqlConnection,
         name: &'a str,
     ) -> Result<(), sqlx::Error> {

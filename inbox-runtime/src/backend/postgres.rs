@@ -193,17 +193,42 @@ impl Backend for Postgres {
         partitioned_cleanup(conn, table, consumer, older_than_secs, batch).await
     }
 
-    async fn try_cleanup_lock<'a>(
+    async fn fleet_lock<'a>(
         conn: &'a mut sqlx::PgConnection,
         name: &'a str,
+        wait: Duration,
     ) -> Result<bool, sqlx::Error> {
-        sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
+        use sqlx::Connection;
+        if wait.is_zero() {
+            return sqlx::query_scalar("SELECT pg_try_advisory_lock(hashtext($1))")
+                .bind(name)
+                .fetch_one(conn)
+                .await;
+        }
+        // An advisory lock waits as long as `lock_timeout` allows, set for this transaction only
+        // (the session's own setting is back after it). A session lock outlives the transaction.
+        let ms = wait.as_millis().clamp(1, i32::MAX as u128).to_string();
+        let mut tx = conn.begin().await?;
+        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+            .bind(ms)
+            .execute(&mut *tx)
+            .await?;
+        let locked = sqlx::query("SELECT pg_advisory_lock(hashtext($1))")
             .bind(name)
-            .fetch_one(conn)
-            .await
+            .execute(&mut *tx)
+            .await;
+        match locked {
+            Ok(_) => {
+                tx.commit().await?;
+                Ok(true)
+            }
+            // 55P03 lock_not_available: the wait ran out (the transaction rolls back on drop).
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
-    async fn cleanup_unlock<'a>(
+    async fn fleet_unlock<'a>(
         conn: &'a mut sqlx::PgConnection,
         name: &'a str,
     ) -> Result<(), sqlx::Error> {

@@ -127,11 +127,12 @@ impl<DB: InboxBackend> Outbox<DB> {
 
     /// Creates or updates the outbox's table (its migrations are tracked in
     /// `_<table>_migrations`, apart from the application's). Safe to run from several instances
-    /// at once.
+    /// at once: they take turns, as for [`Inbox::migrate`](crate::Inbox::migrate).
     pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
         let table = &self.inner.table;
         let migrator = migrate::migrator(table, "outbox", DB::outbox_migration_sql(table));
-        migrate::migrate_racing(&self.inner.pool, table, &migrator).await
+        let wait = migrate::MIGRATION_LOCK_WAIT;
+        migrate::migrate_racing(&self.inner.pool, table, &migrator, wait).await
     }
 
     /// The table.

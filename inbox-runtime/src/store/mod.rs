@@ -43,6 +43,8 @@ pub struct Inbox<DB: InboxBackend> {
     layout: Layout,
     lock_timeout: Duration,
     lease: Duration,
+    /// How long `migrate` waits for another instance migrating the table.
+    migration_wait: Duration,
     pub(crate) sql: InboxStatements,
 }
 
@@ -54,6 +56,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
             layout: self.layout,
             lock_timeout: self.lock_timeout,
             lease: self.lease,
+            migration_wait: self.migration_wait,
             sql: self.sql.clone(),
         }
     }
@@ -74,6 +77,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             layout: Layout::Plain,
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             lease: DEFAULT_LEASE,
+            migration_wait: migrate::MIGRATION_LOCK_WAIT,
         }
     }
 
@@ -113,6 +117,15 @@ impl<DB: InboxBackend> Inbox<DB> {
         self
     }
 
+    /// For tests (feature `test-util`, not part of the stable API): how long
+    /// [`Inbox::migrate`] waits for another instance migrating the table (default 5 minutes).
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn migration_lock_wait(mut self, wait: Duration) -> Self {
+        self.migration_wait = wait;
+        self
+    }
+
     /// The pool messages are processed on.
     pub fn pool(&self) -> &Pool<DB> {
         &self.pool
@@ -125,7 +138,10 @@ impl<DB: InboxBackend> Inbox<DB> {
 
     /// Creates or updates the inbox table (and, when [partitioned](Inbox::partitioned), its
     /// partitions ahead: see [`Inbox::add_partitions`]). Safe to run from several instances at
-    /// once.
+    /// once: they take turns on a lock of the database (PostgreSQL's advisory lock, MySQL's
+    /// `GET_LOCK`; none on SQLite), each waiting at most 5 minutes for the others, then failing
+    /// with an error naming the lock. The migrations run on the lock's connection: a pool of
+    /// one connection is enough.
     pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
         self.run_migrations().await?;
         self.add_partitions().await?;
@@ -135,7 +151,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     async fn run_migrations(&self) -> Result<(), sqlx::migrate::MigrateError> {
         let steps = DB::migration_sql(&self.table, &self.layout);
         let migrator = migrate::migrator(&self.table, "inbox", steps);
-        migrate::migrate_racing(&self.pool, &self.table, &migrator).await
+        migrate::migrate_racing(&self.pool, &self.table, &migrator, self.migration_wait).await
     }
 
     /// Whether the database can be reached: a connection of its own (not one from the pool,

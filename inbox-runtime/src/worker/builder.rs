@@ -238,6 +238,16 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
+    /// For tests (feature `test-util`, not part of the stable API): how often the worker reads
+    /// its consumer's `max_deliver` again besides at each pull session's start (default every
+    /// 60 s, never less than 10 ms).
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn max_deliver_every(mut self, every: Duration) -> Self {
+        self.options.max_deliver_every = every.max(Duration::from_millis(10));
+        self
+    }
+
     /// How often cleanup runs (default every 60 s).
     pub fn cleanup_every(mut self, every: Duration) -> Self {
         self.options.cleanup_every = every;

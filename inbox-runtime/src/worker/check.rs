@@ -5,6 +5,7 @@
 use super::WorkerError;
 use super::builder::AckMode;
 use super::dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
+use super::max_deliver::REFRESH_EVERY;
 use super::upkeep::Schedule;
 use super::verdict::Limits;
 use crate::backoff::Backoff;
@@ -41,6 +42,9 @@ pub(crate) struct Options {
     pub sweep: (Duration, Option<Duration>),
     /// The delivery-limit backstop's advisory stream, when it runs.
     pub backstop: Option<super::backstop::AdvisoryStream>,
+    /// How often the consumer's `max_deliver` is read again besides at each pull session's
+    /// start (shorter only in tests: `WorkerBuilder::max_deliver_every`).
+    pub max_deliver_every: Duration,
 }
 
 impl Default for Options {
@@ -60,6 +64,7 @@ impl Default for Options {
             cleanup_every: Duration::from_secs(60),
             sweep: (Duration::from_secs(60), None),
             backstop: None,
+            max_deliver_every: REFRESH_EVERY,
         }
     }
 }
@@ -85,6 +90,11 @@ pub(crate) struct Settings {
     /// Progress acks while a handler runs longer than this (a third of `ack_wait`).
     pub progress_every: Duration,
     pub limits: Limits,
+    /// The consumer's `max_deliver` at start (finite): the worker acts on it until it reads
+    /// another (`max_deliver.rs`).
+    pub max_deliver: i64,
+    /// How often it is read again besides at each pull session's start.
+    pub max_deliver_every: Duration,
     pub cleanup: Option<Schedule>,
     /// The sweeper of open claims (two-phase handlers only; set by `build`).
     pub sweep: Option<Sweep>,
@@ -149,7 +159,6 @@ pub(crate) fn check(
     }
     let ack_wait = ack_wait_of(config);
     let limits = Limits {
-        max_deliver: config.max_deliver,
         backoff: config.backoff.clone(),
         nak_delay: options.nak_delay,
         attempts: options.attempts.max(1),
@@ -190,6 +199,8 @@ pub(crate) fn check(
         deadline: options.deadline,
         progress_every: (ack_wait / 3).max(Duration::from_millis(100)),
         limits,
+        max_deliver: config.max_deliver,
+        max_deliver_every: options.max_deliver_every,
         cleanup,
         sweep: None,
         backstop: options.backstop.clone(),

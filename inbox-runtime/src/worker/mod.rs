@@ -7,9 +7,11 @@
 //! decode, key, process, retries, progress acks, carrying out the verdict), `serve_batch` (a
 //! batch of messages in one transaction), `verdict` (the pure decision), `dead_letter` (the
 //! dead-letter stream and what a letter says), `backstop` (dead letters for messages whose last
-//! delivery ended without a verdict, from the server's advisories), `circuit` (pulling paused while the database is
-//! unreachable), `upkeep` (the background tasks: cleanup, partitions, the sweep of open claims,
-//! parked letters). This file holds the [`Worker`] handle, its counters and `run_until`.
+//! delivery ended without a verdict, from the server's advisories), `circuit` (pulling paused
+//! while the database is unreachable), `max_deliver` (the consumer's limit as the worker acts on
+//! it, read again while it runs), `upkeep` (the background tasks: cleanup, partitions, the sweep
+//! of open claims, parked letters, the limit's periodic read). This file holds the [`Worker`]
+//! handle, its counters and `run_until`.
 
 mod backstop;
 mod builder;
@@ -17,6 +19,7 @@ mod check;
 mod circuit;
 mod dead_letter;
 mod error;
+mod max_deliver;
 mod names;
 mod pull;
 mod serve;
@@ -123,6 +126,8 @@ struct Inner<H: Handler> {
     dead_letters: DeadLetters,
     stream_created: transport_id::StreamCreated,
     circuit: circuit::Circuit,
+    /// The consumer's `max_deliver` as the worker acts on it now.
+    max_deliver: max_deliver::MaxDeliver,
     /// Batched workers: one permit per database connection the worker may use, taken by each
     /// batch and each message of a batch served alone, so that a worker never holds more
     /// connections than its share of the pool however small its batches.
@@ -159,6 +164,7 @@ impl<H: Handler> Worker<H> {
                 dead_letters: DeadLetters::new(dlq_stream, dlq_prefix, H::CONSUMER, source),
                 stream_created: transport_id::StreamCreated::default(),
                 circuit: circuit::Circuit::default(),
+                max_deliver: max_deliver::MaxDeliver::new(settings.max_deliver),
                 connections: Arc::new(tokio::sync::Semaphore::new(settings.connections)),
                 metrics: std::sync::OnceLock::new(),
                 settings,
@@ -176,6 +182,14 @@ impl<H: Handler> Worker<H> {
     /// The state handed to every call of the handler.
     pub fn state(&self) -> &H::State {
         &self.inner.state
+    }
+
+    /// For tests (feature `test-util`, not part of the stable API): the consumer's
+    /// `max_deliver` as this worker acts on it now (the lower of its last two reads).
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn max_deliver(&self) -> i64 {
+        self.inner.max_deliver.get()
     }
 
     /// What this worker (and its clones) did so far.
@@ -257,6 +271,10 @@ where
                 shutdown.clone(),
             ));
         }
+        tasks.spawn(upkeep::refresh_max_deliver(
+            self.inner.clone(),
+            shutdown.clone(),
+        ));
         if let Some(sweep) = self.inner.settings.sweep {
             tasks.spawn(upkeep::sweep_open_claims(
                 self.inner.clone(),

@@ -3,7 +3,8 @@
 //! (a message never waits for a slot while its `ack_wait` runs). One task per message holds its
 //! permit. Pull errors are waited out with capped backoff, and on shutdown every message that
 //! arrives for a request still open is nak'd, so that it goes to another instance as soon as the
-//! pull it came on has expired (or, on its last delivery, is served to the end).
+//! pull it came on has expired (or, on its last delivery, is served to the end). Each pull
+//! session starts by reading the consumer's `max_deliver` again (`max_deliver.rs`).
 //!
 //! Why not a new subscription per fetch (`consumer.batch()`): in steady state a permit frees at a
 //! time, so that was a SUB, a pull request and an UNSUB per message or two, which cost the
@@ -118,6 +119,13 @@ where
     // as it lives, so one that goes back is a new consumer, on a stream that may be new too.
     let mut last_delivery = 0;
     while !shutdown.is_cancelled() {
+        // A session that starts (the first, or one after a pull error: perhaps a consumer
+        // updated or created again) reads the consumer's max_deliver first, so that it judges
+        // last deliveries by the limit the server has now.
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            _ = inner.refresh_max_deliver() => {}
+        }
         let mut session = Session {
             inner,
             shutdown,
@@ -298,10 +306,7 @@ where
     async fn dispatch(&mut self, message: jetstream::Message, stopping: bool) {
         let inner = self.inner;
         let (last, delivery_seq) = message.info().map_or((false, 0), |i| {
-            (
-                i.delivered >= inner.settings.limits.max_deliver,
-                i.consumer_sequence,
-            )
+            (inner.last_delivery(i.delivered), i.consumer_sequence)
         });
         if delivery_seq <= *self.last_delivery {
             // The stream's creation time, which the default key names, must be looked up

@@ -70,10 +70,13 @@ where
         async {
             let limits = &self.settings.limits;
             let tries = self.process_with_retries(&message, &delivery, &shutdown);
-            let verdict = match with_progress(&[&message], self.settings.progress_every, tries).await {
-                Ok(outcome) => verdict(Ok(outcome), delivery.delivered, limits),
+            let ended = with_progress(&[&message], self.settings.progress_every, tries).await;
+            // The limit as acted on now, once processing is over: a change read meanwhile counts.
+            let max_deliver = self.max_deliver.get();
+            let verdict = match ended {
+                Ok(outcome) => verdict(Ok(outcome), delivery.delivered, max_deliver, limits),
                 Err((err, class)) => {
-                    let v = verdict(Err((&err, class)), delivery.delivered, limits);
+                    let v = verdict(Err((&err, class)), delivery.delivered, max_deliver, limits);
                     // The whole error, the database's message with it, goes to the log; the
                     // dead letter carries our summary of it (see `letter_text`).
                     match v {
@@ -155,7 +158,7 @@ where
                     delivered: delivery.delivered,
                     error: &reason,
                 };
-                let last = delivery.delivered >= self.settings.limits.max_deliver;
+                let last = self.last_delivery(delivery.delivered);
                 let stored = if last {
                     let keep = self.keep_letter(message, &letter, shutdown);
                     with_progress(&[message], self.settings.progress_every, keep).await
@@ -274,7 +277,7 @@ where
                 self.counters.held.fetch_add(1, Ordering::Relaxed);
             }
             if let ProcessError::ClaimHeld { remaining } = &err
-                && delivery.delivered >= self.settings.limits.max_deliver
+                && self.last_delivery(delivery.delivered)
             {
                 let wait = *remaining + Duration::from_millis(100);
                 tracing::debug!(retry_in = ?wait, "claim held by another owner on the last delivery; waiting");

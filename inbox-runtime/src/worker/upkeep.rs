@@ -1,6 +1,6 @@
 //! A worker's background tasks beside the pull loop, each a periodic pass until shutdown:
-//! cleanup of old markers, partitions ahead, the sweep of open two-phase claims, and the
-//! dead letters parked in the database.
+//! cleanup of old markers, partitions ahead, the sweep of open two-phase claims, the dead
+//! letters parked in the database, and the read of the consumer's `max_deliver`.
 
 use super::Inner;
 use super::check::Sweep;
@@ -154,6 +154,26 @@ pub(super) async fn relay_parked_letters<H: Handler>(
             Err(e) => {
                 tracing::debug!(consumer = H::CONSUMER, error = %e, "parked dead letters not published yet")
             }
+        }
+    }
+}
+
+/// Reads the consumer's `max_deliver` again every `Settings::max_deliver_every` until
+/// `shutdown` (see `max_deliver.rs`), so that a worker whose pull session lasts sees a change
+/// within a minute. The first read is the pull session's, at start.
+pub(super) async fn refresh_max_deliver<H: Handler>(
+    inner: Arc<Inner<H>>,
+    shutdown: CancellationToken,
+) {
+    let mut every = Every::new(inner.settings.max_deliver_every, shutdown.clone());
+    // The first tick is at once, when the pull session reads it anyway.
+    if !every.tick().await {
+        return;
+    }
+    while every.tick().await {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = inner.refresh_max_deliver() => {}
         }
     }
 }

@@ -1,5 +1,6 @@
 //! The verdict: what JetStream hears about one delivery, decided by pure functions of the
-//! processing result, the error class, the delivery count and the consumer's limits. This file is
+//! processing result, the error class, the delivery count, the consumer's `max_deliver` (as the
+//! worker acts on it now: see `max_deliver.rs`) and the worker's limits. This file is
 //! the README's table "What JetStream hears"; it does no I/O (`serve.rs` carries it out).
 
 use super::dead_letter::letter_text;
@@ -23,11 +24,10 @@ pub(crate) enum Verdict {
     DeadLetter(String),
 }
 
-/// The consumer's redelivery limits, with the worker's own retry and nak policy.
+/// The consumer's nak schedule, with the worker's own retry and nak policy. (Its
+/// `max_deliver` is not here: it may change while the worker runs, see `max_deliver.rs`.)
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Limits {
-    /// The consumer's `max_deliver` (finite; checked at start).
-    pub max_deliver: i64,
     /// The consumer's `backoff` steps, used for nak delays when present.
     pub backoff: Vec<Duration>,
     /// The nak delay otherwise, growing with the delivery count.
@@ -82,11 +82,13 @@ pub(crate) fn retry_in_process(
         .then(|| limits.retry_wait.delay(attempt.saturating_sub(1)))
 }
 
-/// The verdict on delivery number `delivered` once processing is over: `Ok` with its outcome, or
-/// `Err` with the error and its class (after in-process retries).
+/// The verdict on delivery number `delivered` of a consumer whose `max_deliver` is acted on as
+/// `max_deliver`, once processing is over: `Ok` with its outcome, or `Err` with the error and
+/// its class (after in-process retries).
 pub(crate) fn verdict(
     result: Result<Outcome, (&ProcessError, ErrorClass)>,
     delivered: i64,
+    max_deliver: i64,
     limits: &Limits,
 ) -> Verdict {
     let (err, class) = match result {
@@ -94,7 +96,7 @@ pub(crate) fn verdict(
         Ok(Outcome::Skip) => return Verdict::Skip,
         Err(failed) => failed,
     };
-    let last_delivery = delivered >= limits.max_deliver;
+    let last_delivery = delivered >= max_deliver;
     // Another owner holds the claim: come back when its lease runs out (it may fail, and then
     // this delivery takes over; it may finish, and then this one is a Skip).
     if let (ProcessError::ClaimHeld { remaining }, false) = (err, last_delivery) {
@@ -103,9 +105,8 @@ pub(crate) fn verdict(
     match class {
         ErrorClass::Permanent => Verdict::DeadLetter(letter_text(err)),
         _ if last_delivery => Verdict::DeadLetter(format!(
-            "{} (delivery {delivered} of max_deliver {})",
+            "{} (delivery {delivered} of max_deliver {max_deliver})",
             letter_text(err),
-            limits.max_deliver
         )),
         ErrorClass::Transient | ErrorClass::Unknown => Verdict::Nak(limits.nak_request(delivered)),
     }
@@ -122,9 +123,11 @@ mod tests {
     use crate::key::KeyError;
     use std::borrow::Cow;
 
+    /// The consumer's `max_deliver` in these tests.
+    const MAX_DELIVER: i64 = 5;
+
     fn limits() -> Limits {
         Limits {
-            max_deliver: 5,
             backoff: Vec::new(),
             nak_delay: Backoff::new(Duration::from_secs(1), Duration::from_secs(30)),
             attempts: 3,
@@ -139,7 +142,10 @@ mod tests {
         while retry_in_process(class, tries, limits).is_some() {
             tries += 1;
         }
-        (verdict(Err((&err, class)), delivered, limits), tries)
+        (
+            verdict(Err((&err, class)), delivered, MAX_DELIVER, limits),
+            tries,
+        )
     }
 
     /// A database error with a SQLSTATE and kind, as the driver reports it.
@@ -196,13 +202,22 @@ mod tests {
 
     #[test]
     fn ack_when_committed() {
-        assert_eq!(verdict(Ok(Outcome::Ack), 1, &limits()), Verdict::Ack);
+        assert_eq!(
+            verdict(Ok(Outcome::Ack), 1, MAX_DELIVER, &limits()),
+            Verdict::Ack
+        );
     }
 
     #[test]
     fn skip_is_acked_even_on_the_last_delivery() {
-        assert_eq!(verdict(Ok(Outcome::Skip), 1, &limits()), Verdict::Skip);
-        assert_eq!(verdict(Ok(Outcome::Skip), 5, &limits()), Verdict::Skip);
+        assert_eq!(
+            verdict(Ok(Outcome::Skip), 1, MAX_DELIVER, &limits()),
+            Verdict::Skip
+        );
+        assert_eq!(
+            verdict(Ok(Outcome::Skip), 5, MAX_DELIVER, &limits()),
+            Verdict::Skip
+        );
     }
 
     #[test]
@@ -356,6 +371,21 @@ mod tests {
             v,
             Verdict::DeadLetter("handler failed: plain (delivery 5 of max_deliver 5)".into())
         );
+    }
+
+    #[test]
+    fn the_last_delivery_is_judged_by_the_limit_passed_in() {
+        // A consumer lowered from 5 to 2 while the worker runs: delivery 2 is the server's last.
+        let err = ProcessError::Handler("plain".into());
+        let class = ErrorClass::Unknown;
+        let at = |max_deliver| verdict(Err((&err, class)), 2, max_deliver, &limits());
+        assert_eq!(at(5), Verdict::Nak(Duration::from_secs(2)));
+        assert_eq!(
+            at(2),
+            Verdict::DeadLetter("handler failed: plain (delivery 2 of max_deliver 2)".into())
+        );
+        // Past a limit lowered below the delivery count: the server will not deliver it again.
+        assert!(is_dead_letter(&at(1)), "{:?}", at(1));
     }
 
     #[test]

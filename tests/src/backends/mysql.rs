@@ -55,6 +55,9 @@ impl TestBackend for MySql {
         // statement still executing instead; one that is not blocked returns at once.
         waiting_writers = "SELECT count(*) FROM information_schema.processlist \
                            WHERE db = ? AND (info LIKE 'INSERT INTO inbox %' \
-                           OR info LIKE 'DELETE FROM inbox %')"
+                           OR info LIKE 'DELETE FROM inbox %')",
+        // A GET_LOCK with a wait, still executing: the lock is held elsewhere.
+        waiting_for_lock = "SELECT count(*) FROM information_schema.processlist \
+                            WHERE db = ? AND info LIKE 'SELECT GET_LOCK(%'"
     );
 }

@@ -63,7 +63,10 @@ macro_rules! postgres_backend {
         held = true,
         unlock = "SELECT pg_advisory_unlock(hashtext($1))",
         waiting_writers = "SELECT count(*) FROM pg_stat_activity \
-                           WHERE datname = $1 AND wait_event_type = 'Lock'"
+                           WHERE datname = $1 AND wait_event_type = 'Lock'",
+        waiting_for_lock = "SELECT count(*) FROM pg_stat_activity \
+                            WHERE datname = $1 AND wait_event_type = 'Lock' \
+                            AND wait_event = 'advisory'"
     );
         }
     };

@@ -56,6 +56,11 @@ impl TestBackend for Sqlite {
 
     async fn release_cleanup_lock(_: PoolConnection<sqlx::Sqlite>, _: &'static str) {}
 
+    /// None: there is no fleet lock to wait for.
+    async fn waiting_for_fleet_lock(_: &TestDb<sqlx::Sqlite>) -> i64 {
+        0
+    }
+
     async fn waiting_writers(db: &TestDb<sqlx::Sqlite>) -> i64 {
         // SQLite has no lock table to look at; BEGIN IMMEDIATE makes the second writer wait for
         // the database's one write lock, so a second connection in use is that writer.

@@ -64,6 +64,7 @@ mod held_race_rollback;
 mod invalid_keys_are_rejected;
 mod keys_compare_as_bytes;
 mod long_handler_sends_progress;
+mod max_deliver_changes_are_seen;
 mod nats_restart_mid_stream;
 mod outbox;
 mod stuck_deliveries_have_a_deadline;
