@@ -108,7 +108,8 @@ impl LastDeliveryHold {
         struct LetGo(u64);
         impl Drop for LetGo {
             fn drop(&mut self) {
-                tracing::warn!(target: "inbox_examples", stream_seq = self.0, "last delivery let go");
+                let stream_seq = self.0;
+                tracing::warn!(target: "inbox_examples", stream_seq, "last delivery let go");
             }
         }
         let _let_go = LetGo(stream_seq);

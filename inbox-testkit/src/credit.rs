@@ -353,47 +353,35 @@ mod tests {
 
     #[test]
     fn holds_are_followed_through_the_log_and_forgotten_at_a_restart() {
+        // As `credit` logs them (tracing's fmt, no colours).
+        const WARN: &str = "2025-01-01T00:00:00.000000Z  WARN inbox_examples:";
+        let held = |seq: u64| {
+            format!(
+                "{WARN} last delivery held (CREDIT_TEST_LAST_DELIVERY_HOLD_MS) stream_seq={seq} \
+                 delivered=3 hold=1s\n"
+            )
+        };
+        let let_go = |seq: u64| format!("{WARN} last delivery let go stream_seq={seq}\n");
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("credit.log");
         let mut log = std::fs::File::create(&path).unwrap();
-        writeln!(log, "2025-01-01T00:00:00Z  WARN inbox_examples: last delivery held (CREDIT_TEST_LAST_DELIVERY_HOLD_MS) stream_seq=1 delivered=3 hold=1s").unwrap();
+        write!(log, "{}", held(1)).unwrap();
         let mut holds = LastDeliveryHolds::new(&path);
-        assert!(
-            holds.held().unwrap().is_empty(),
-            "an earlier process's line"
-        );
-        let held = |seq: u64| {
-            format!(
-                "2025-01-01T00:00:01Z  WARN inbox_examples: last delivery held (CREDIT_TEST_LAST_DELIVERY_HOLD_MS) stream_seq={seq} delivered=3 hold=1s\n"
-            )
-        };
-        let let_go = |seq: u64| {
-            format!(
-                "2025-01-01T00:00:02Z  WARN inbox_examples: last delivery let go stream_seq={seq}\n"
-            )
-        };
+        assert!(holds.held().unwrap().is_empty(), "an earlier process's");
         write!(log, "{}{}", held(7), held(9)).unwrap();
-        assert_eq!(
-            holds.held().unwrap().iter().copied().collect::<Vec<_>>(),
-            [7, 9]
-        );
+        let now = |h: &mut LastDeliveryHolds| h.held().unwrap().iter().copied().collect::<Vec<_>>();
+        assert_eq!(now(&mut holds), [7, 9]);
         // Half a line counts once it is whole.
         let line = let_go(7);
         let (head, tail) = line.split_at(20);
         write!(log, "{head}").unwrap();
-        assert_eq!(holds.held().unwrap().len(), 2);
+        assert_eq!(now(&mut holds), [7, 9]);
         write!(log, "{tail}").unwrap();
-        assert_eq!(
-            holds.held().unwrap().iter().copied().collect::<Vec<_>>(),
-            [9]
-        );
+        assert_eq!(now(&mut holds), [9]);
         holds.restart();
         assert!(holds.held().unwrap().is_empty());
         write!(log, "{}", held(11)).unwrap();
-        assert_eq!(
-            holds.held().unwrap().iter().copied().collect::<Vec<_>>(),
-            [11]
-        );
+        assert_eq!(now(&mut holds), [11]);
         let mut missing = LastDeliveryHolds::new(&dir.path().join("not yet"));
         assert!(missing.held().unwrap().is_empty());
     }

@@ -7,9 +7,10 @@
 //! name, a value that is not UTF-8, a control byte in a name), which no worker ever sees and the
 //! delivery-limit backstop dead-letters; and, last in the stream, a few credits to accounts never
 //! opened (a foreign-key violation), which the runtime redelivers with a delay until
-//! `max_deliver` and then dead-letters. Every message's stream sequence is kept from its PubAck. `credit`'s own schema has no payload that fails that way (its one upsert fails
-//! only with a CHECK violation or a data error, both dead-lettered at once, or transiently), so
-//! chaos creates `accounts` itself, as `credit` would plus a foreign key to `open_accounts`.
+//! `max_deliver` and then dead-letters. Every message's stream sequence is kept from its PubAck.
+//! `credit`'s own schema has no payload that fails that way (its one upsert fails only with a
+//! CHECK violation or a data error, both dead-lettered at once, or transiently), so chaos creates
+//! `accounts` itself, as `credit` would plus a foreign key to `open_accounts`.
 //!
 //! **Supervise**: three `credit` processes work through the [`Faults`]: one of them is SIGKILLed
 //! and restarted every two seconds; one is frozen with SIGSTOP for twice `ack_wait` (what it holds
