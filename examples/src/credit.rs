@@ -2,8 +2,8 @@
 //! through its transactional outbox.
 
 use crate::startup::{
-    Backends, ConsumerSpec, DatabaseSpec, Example, StartError, jetstream_consumer, start_database,
-    stream_start_error, until_up,
+    Backends, ConsumerSpec, DatabaseSpec, Example, NatsConnector, StartError, jetstream_consumer,
+    start_database, stream_start_error, until_up,
 };
 use crate::{Error, MAX_AGE, NatsAuth, RETENTION, Vars, observe, orders, redact};
 use async_nats::jetstream::{self, stream};
@@ -381,6 +381,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
         batch: config.batch,
         ack_mode: config.ack_mode,
         jetstream,
+        nats: NatsConnector::new(&config.nats_url, &config.nats_auth),
         durable: &config.durable,
         events: (&config.events_stream, &config.events_subject),
         relay_hold: config.relay_hold,
@@ -424,6 +425,8 @@ struct Serve<'a> {
     batch: usize,
     ack_mode: Option<AckMode>,
     jetstream: jetstream::Context,
+    /// Opens the handler's own connection to pull on.
+    nats: NatsConnector,
     /// The durable consumer's name.
     durable: &'a str,
     /// `CREDIT_EVENTS_STREAM`, `CREDIT_EVENTS_SUBJECT`.
@@ -493,6 +496,7 @@ where
             }));
         }
         let app = App::new(inbox, &self.jetstream)
+            .pull_connections(self.nats.pulls())
             .handler_configured(handler, state, durable, configure)
             .relay(relay);
         if let Some(addr) = self.metrics {

@@ -9,7 +9,8 @@
 //! durable consumer: the claim's lease and fence decide which one calls.
 
 use crate::startup::{
-    Backends, ConsumerSpec, DatabaseSpec, Example, jetstream_consumer, start_database, until_up,
+    Backends, ConsumerSpec, DatabaseSpec, Example, NatsConnector, jetstream_consumer,
+    start_database, until_up,
 };
 use crate::{Error, RETENTION, Vars, redact};
 use inbox_runtime::{
@@ -295,12 +296,12 @@ impl<H: Handler<State = Api>> Example<H> for Serve<'_> {
         let durable =
             Durable::existing(&self.stream.cached_info().config.name, &self.config.durable);
         let stream = self.stream.clone();
-        let app = App::new(inbox, &self.jetstream).handler_configured(
-            handler,
-            self.api,
-            durable,
-            move |w| w.cleanup(RETENTION, &stream),
-        );
+        let pulls = NatsConnector::new(&self.config.nats_url, &self.config.nats_auth).pulls();
+        let app = App::new(inbox, &self.jetstream)
+            .pull_connections(pulls)
+            .handler_configured(handler, self.api, durable, move |w| {
+                w.cleanup(RETENTION, &stream)
+            });
         if let Some(addr) = self.config.metrics {
             crate::observe::serve(addr, app.health()).await?;
         }

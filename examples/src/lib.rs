@@ -23,13 +23,16 @@ use inbox_runtime::Stats;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// How long markers are kept: above the floor of the consumer and stream credit creates
-/// (ack_wait 30 s × max_deliver 10 + the stream's max_age of three days + its duplicate window +
-/// a 1 h margin).
+/// How long markers are kept once their message has left the stream (cleanup counts it back from
+/// the oldest message still stored): above the floor of the consumer and stream credit creates
+/// (ack_wait 30 s × max_deliver 10 + the stream's duplicate window + a 1 h margin), with room to
+/// replay a dead letter by hand within a week.
 pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
-/// The `max_age` of the stream `credit` creates: the retention floor counts it, since a replay
-/// of any stored message must still find its marker.
+/// The `max_age` of the streams the examples create when missing: messages are kept three days,
+/// and their markers three days plus [`RETENTION`]. A stream that exists already is used as it
+/// is, one without `max_age` (the `nats stream add` default) included: its markers are then kept
+/// as long as its messages.
 pub const MAX_AGE: Duration = Duration::from_secs(3 * 24 * 3600);
 
 /// Why the example could not start.

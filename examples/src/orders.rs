@@ -11,7 +11,9 @@
 //! Both durable consumers, and the stream, are created at start with
 //! [`inbox_runtime::recommended_consumer`]. SIGINT or SIGTERM drains both handlers.
 
-use crate::startup::{Backends, DatabaseSpec, Example, connect_nats, start_database, until_up};
+use crate::startup::{
+    Backends, DatabaseSpec, Example, NatsConnector, connect_nats, start_database, until_up,
+};
 use crate::{Error, Vars, redact};
 use inbox_runtime::{App, AppStats, Durable, Handler, Inbox, Stats};
 use serde::{Deserialize, Serialize};
@@ -336,6 +338,7 @@ where
                 .with_stream(stream.clone())
         };
         let app = App::new(inbox, &self.js)
+            .pull_connections(NatsConnector::new(&config.nats_url, &config.nats_auth).pulls())
             .handler_with_state(orders, shop.clone(), durable("orders", "placed"))
             .handler_with_state(inventory, shop, durable("inventory", "stock"));
         if let Some(addr) = config.metrics {

@@ -95,6 +95,44 @@ pub(crate) async fn connect_nats(
         })
 }
 
+/// Opens NATS connections as the example's own (same servers, same credentials): each handler
+/// of an example's `App` pulls on one of its own (`App::pull_connections`), so that a message
+/// the client cannot read, which drops the connection it is delivered on, interrupts no one else.
+#[derive(Debug, Clone)]
+pub(crate) struct NatsConnector {
+    url: String,
+    auth: NatsAuth,
+}
+
+/// A connection being opened by a [`NatsConnector`].
+type Opening =
+    std::pin::Pin<Box<dyn Future<Output = Result<jetstream::Context, Error>> + Send + 'static>>;
+
+impl NatsConnector {
+    /// Connections to `url` with `auth`.
+    pub(crate) fn new(url: &str, auth: &NatsAuth) -> Self {
+        NatsConnector {
+            url: url.to_owned(),
+            auth: auth.clone(),
+        }
+    }
+
+    /// What `App::pull_connections` takes.
+    pub(crate) fn pulls(&self) -> impl Fn() -> Opening + Send + Sync + 'static {
+        let this = self.clone();
+        move || {
+            let this = this.clone();
+            Box::pin(async move {
+                match connect_nats(&this.url, &this.auth).await {
+                    Ok(client) => Ok(jetstream::new(client)),
+                    Err(StartError::Down(why)) => Err(why.into()),
+                    Err(StartError::Fatal(e)) => Err(e),
+                }
+            })
+        }
+    }
+}
+
 /// The stream and durable consumer an example consumes: created when missing.
 pub(crate) struct ConsumerSpec<'a> {
     pub nats_url: &'a str,
@@ -127,7 +165,8 @@ pub(crate) async fn jetstream_consumer(
     let stream = js
         .get_or_create_stream(stream::Config {
             name: config.stream.to_owned(),
-            // Messages are kept three days, markers seven (RETENTION), above the floor.
+            // Messages are kept three days, their markers RETENTION longer. An existing stream
+            // is taken as it is, whatever its limits: markers follow its messages.
             max_age: MAX_AGE,
             subjects: vec![config.subject.to_owned()],
             ..Default::default()

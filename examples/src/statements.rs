@@ -7,7 +7,9 @@
 //! - The stream (`STATEMENTS_STREAM`, default `CREDIT_EVENTS`) is created when missing, as
 //!   `credit` creates it; the durable consumer with [`inbox_runtime::recommended_consumer`].
 
-use crate::startup::{Backends, DatabaseSpec, Example, connect_nats, start_database, until_up};
+use crate::startup::{
+    Backends, DatabaseSpec, Example, NatsConnector, connect_nats, start_database, until_up,
+};
 use crate::{CreditApplied, Error, Vars, redact};
 use inbox_runtime::{App, AppStats, Durable, Handler, Inbox};
 use std::time::Duration;
@@ -211,6 +213,7 @@ where
         let durable = Durable::recommended(&config.stream, &config.durable, &config.subject)
             .with_stream(stream);
         Ok(App::new(inbox, &self.js)
+            .pull_connections(NatsConnector::new(&config.nats_url, &config.nats_auth).pulls())
             .handler(handler, durable)
             .run()
             .await?)

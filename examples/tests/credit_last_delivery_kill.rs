@@ -174,7 +174,7 @@ async fn killed_on_its_last_delivery<B: TestBackend>() {
     .await
     .unwrap_or_else(|e| panic!("{e}: the message was lost\n{}", logs()));
     // Every advisory answered by the instances, and the consumer drained: nothing more to come.
-    let advisories = format!("INBOX_ADVISORIES_{name}");
+    let advisories = inbox_runtime::advisory_stream_name(&name);
     wait_until(
         "the backstop to answer every advisory",
         DEADLINE,

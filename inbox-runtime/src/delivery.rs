@@ -105,6 +105,28 @@ impl Delivery {
         }
     }
 
+    /// The delivery a stored message would have had on its `delivered`-th delivery from
+    /// `stream`, with the headers the client can read (read by sequence, outside a consumer:
+    /// the delivery-limit backstop).
+    pub(crate) fn of_stored(
+        message: &crate::stored::StoredMessage,
+        headers: &HeaderMap,
+        stream: &str,
+        delivered: i64,
+    ) -> Delivery {
+        let headers = (!headers.is_empty()).then(|| headers.clone());
+        Delivery {
+            subject: message.subject.clone(),
+            msg_id: msg_id_of(headers.as_ref()),
+            headers,
+            stream: stream.to_owned(),
+            stream_seq: message.sequence,
+            consumer_seq: 0,
+            delivered,
+            published: Some(message.published),
+        }
+    }
+
     /// The subject the message was published to.
     pub fn subject(&self) -> &str {
         &self.subject

@@ -24,6 +24,7 @@ pub mod metrics;
 mod outbox;
 mod periodic;
 mod store;
+mod stored;
 mod wake;
 mod worker;
 
@@ -62,8 +63,9 @@ pub use sqlx;
 /// The `async_nats` this crate is built with, for the same reason.
 pub use async_nats;
 pub use worker::{
-    AckMode, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, NoState, Stats, Worker,
-    WorkerBuilder, WorkerError, process_delivery, transport_id,
+    AckMode, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, NoState, Stats,
+    UNREADABLE_HEADERS, Worker, WorkerBuilder, WorkerError, advisory_stream_name, process_delivery,
+    transport_id,
 };
 
 /// Makes an `async fn` an idempotent message handler.

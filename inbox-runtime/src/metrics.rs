@@ -15,6 +15,7 @@
 //! | `inbox_cleanup_last_success_timestamp_seconds` | gauge | Unix time of the last cleanup pass that ran (lag: now minus this) |
 //! | `inbox_open_claims` | gauge | two-phase: claims open past the sweeper's threshold |
 //! | `inbox_oldest_open_claim_seconds` | gauge | two-phase: age of the oldest of them (0 when none) |
+//! | `inbox_backstop_letters_total` | counter | messages dead-lettered by the delivery-limit backstop (their last delivery ended without a verdict) |
 //!
 //! A [`Relay`](crate::Relay)'s series have the label `outbox` (the outbox's table) instead:
 //!
@@ -46,6 +47,9 @@ pub const CLEANUP_LAST_SUCCESS: &str = "inbox_cleanup_last_success_timestamp_sec
 pub const OPEN_CLAIMS: &str = "inbox_open_claims";
 /// `inbox_oldest_open_claim_seconds`.
 pub const OLDEST_OPEN_CLAIM: &str = "inbox_oldest_open_claim_seconds";
+
+/// `inbox_backstop_letters_total`.
+pub const BACKSTOP_LETTERS: &str = "inbox_backstop_letters_total";
 
 /// `inbox_outbox_pending`.
 pub const OUTBOX_PENDING: &str = "inbox_outbox_pending";
@@ -88,6 +92,15 @@ pub(crate) fn describe() {
         Unit::Seconds,
         "Age of the oldest claim open past the threshold."
     );
+    describe_counter!(
+        BACKSTOP_LETTERS,
+        "Messages dead-lettered by the delivery-limit backstop."
+    );
+}
+
+/// Counts one message dead-lettered by `consumer`'s delivery-limit backstop.
+pub(crate) fn backstop_lettered(consumer: &'static str) {
+    metrics::counter!(BACKSTOP_LETTERS, "consumer" => consumer).increment(1);
 }
 
 /// A worker's series, registered once when it starts: per message, only atomic operations.

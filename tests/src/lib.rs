@@ -129,6 +129,23 @@ impl NatsStream {
 
     /// Creates a stream with random names on the server at `url`.
     pub async fn create_at(url: &str) -> NatsStream {
+        let config = stream::Config {
+            // An hour outlives every test, and bounds what a test that failed leaves behind.
+            max_age: Duration::from_secs(3600),
+            ..Default::default()
+        };
+        Self::create_with_at(url, config).await
+    }
+
+    /// Creates a stream with random names and `config`'s settings (its name and subjects are
+    /// replaced) on the test server: `stream::Config::default()` for one made as `nats stream
+    /// add` makes it, keeping messages forever.
+    pub async fn create_with(config: stream::Config) -> NatsStream {
+        Self::create_with_at(&nats_url(), config).await
+    }
+
+    /// [`NatsStream::create_with`] on the server at `url`.
+    pub async fn create_with_at(url: &str, config: stream::Config) -> NatsStream {
         let client = inbox_testkit::connect(url)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
@@ -138,9 +155,7 @@ impl NatsStream {
         js.create_stream(stream::Config {
             name: stream.clone(),
             subjects: vec![subject.clone()],
-            // Finite, as the worker's cleanup requires; an hour outlives every test.
-            max_age: Duration::from_secs(3600),
-            ..Default::default()
+            ..config
         })
         .await
         .unwrap_or_else(|e| panic!("JetStream at {url} cannot create a stream: {e}"));
@@ -178,6 +193,40 @@ impl NatsStream {
             )
             .await
             .expect("create consumer")
+    }
+
+    /// Creates a durable pull consumer with explicit acks and the given `max_deliver`.
+    pub async fn consumer_with(
+        &self,
+        durable: &str,
+        ack_wait: Duration,
+        max_deliver: i64,
+    ) -> jetstream::consumer::PullConsumer {
+        self.js
+            .get_stream(&self.stream)
+            .await
+            .expect("get stream")
+            .create_consumer(pull::Config {
+                durable_name: Some(durable.to_owned()),
+                ack_wait,
+                max_deliver,
+                ..Default::default()
+            })
+            .await
+            .expect("create consumer")
+    }
+
+    /// A new connection to the test's server, with JetStream on it.
+    pub async fn connection(&self) -> jetstream::Context {
+        let client = inbox_testkit::connect(&self.url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        jetstream::new(client)
+    }
+
+    /// The test server's URL.
+    pub fn url(&self) -> &str {
+        &self.url
     }
 
     /// The same consumer, seen through another connection: a second "instance".
@@ -281,6 +330,10 @@ impl Drop for NatsStream {
                 let js = jetstream::new(client);
                 let _ = js.delete_stream(&stream).await;
                 let _ = js.delete_stream(&dlq).await;
+                // The delivery-limit backstop's, when a worker ran one.
+                let _ = js
+                    .delete_stream(inbox_runtime::advisory_stream_name(&stream))
+                    .await;
             }
         });
     }

@@ -16,8 +16,9 @@ use tokio_util::sync::CancellationToken;
 /// 1,000 messages awaiting an ack.
 ///
 /// Its [retention floor](crate::retention_floor) is `ack_wait × max_deliver` (300 s) plus the
-/// stream's duplicate window and `max_age`, plus a margin: the figure to keep markers above when
-/// cleanup runs.
+/// stream's duplicate window, plus a margin: the figure to keep markers above when cleanup runs,
+/// counted back from the oldest message still in the stream (whatever its `max_age`, none
+/// included).
 ///
 /// ```
 /// let config = inbox_runtime::recommended_consumer("credit", "credits.requested");

@@ -19,7 +19,7 @@ use crate::backoff::Backoff;
 use crate::handler::Handler;
 use crate::outbox::{Relay, RelayError};
 use crate::store::Inbox;
-use crate::worker::{NoState, Stats, WorkerBuilder};
+use crate::worker::{AdvisoryStream, NoState, Stats, WorkerBuilder, ensure_advisory_stream};
 use async_nats::jetstream;
 use durable::resolve;
 use futures::future::BoxFuture;
@@ -92,7 +92,16 @@ pub struct App<DB: InboxBackend> {
     planned: Vec<Planned<DB>>,
     relays: Vec<Relay<DB>>,
     health: Health,
+    /// The delivery-limit backstop's advisory stream; `None`: no backstop.
+    backstop: Option<AdvisoryStream>,
+    /// Opens each handler's own NATS connection, when given.
+    connect: Option<Connect>,
 }
+
+/// Opens a NATS connection (see [`App::pull_connections`]).
+type Connect = Arc<
+    dyn Fn() -> BoxFuture<'static, Result<jetstream::Context, async_nats::Error>> + Send + Sync,
+>;
 
 impl<DB: InboxBackend> std::fmt::Debug for App<DB> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -125,7 +134,43 @@ impl<DB: InboxBackend> App<DB> {
             planned: Vec::new(),
             relays: Vec::new(),
             health,
+            backstop: Some(AdvisoryStream::PerStream),
+            connect: None,
         }
+    }
+
+    /// Each handler pulls on a NATS connection of its own, opened by `connect` at start (the
+    /// same options as the app's own connection: `|| async { Ok(jetstream::new(options().connect(url).await?)) }`),
+    /// so that what breaks one handler's connection does not interrupt the others. Without it,
+    /// every handler pulls on the app's connection, and a message whose header block the Rust
+    /// client cannot parse (sent by another client; the client drops its connection when one is
+    /// delivered) interrupts every handler at each of its deliveries.
+    ///
+    /// Stream and consumer lookups, the backstop and the relays stay on the app's connection.
+    pub fn pull_connections<F, Fut>(mut self, connect: F) -> Self
+    where
+        F: Fn() -> Fut + Send + Sync + 'static,
+        Fut: std::future::Future<Output = Result<jetstream::Context, async_nats::Error>>
+            + Send
+            + 'static,
+    {
+        self.connect = Some(Arc::new(move || Box::pin(connect())));
+        self
+    }
+
+    /// Keeps every handler's delivery-limit advisories in `stream` instead of one
+    /// `INBOX_ADVISORIES_<stream>` per stream: see [`WorkerBuilder::backstop_in`]. The backstop
+    /// (see [`WorkerBuilder::backstop`]) runs by default.
+    pub fn backstop_in(mut self, stream: impl Into<String>) -> Self {
+        self.backstop = Some(AdvisoryStream::Named(stream.into()));
+        self
+    }
+
+    /// Runs no delivery-limit backstop: a message whose last delivery ends without a verdict
+    /// (its process killed while holding it, say) is then neither applied nor dead-lettered.
+    pub fn without_backstop(mut self) -> Self {
+        self.backstop = None;
+        self
     }
 
     /// The app's health, to serve on a probe while it runs (see [`Health`]).
@@ -317,7 +362,21 @@ impl<DB: InboxBackend> App<DB> {
                 return Err(AppError::Cancelled);
             }
             let consumer = resolve(&self.jetstream, &plan.durable, shutdown).await?;
-            let builder = WorkerBuilder::new(self.inbox.clone(), &self.jetstream, consumer);
+            let pulls = match &self.connect {
+                Some(connect) => own_connection(connect, plan.consumer, shutdown).await?,
+                None => self.jetstream.clone(),
+            };
+            let builder = WorkerBuilder::new(self.inbox.clone(), &pulls, consumer);
+            let builder = match &self.backstop {
+                Some(which) => {
+                    check_backstop(&self.jetstream, which, &plan.durable, shutdown).await?;
+                    match which {
+                        AdvisoryStream::PerStream => builder.backstop(),
+                        AdvisoryStream::Named(name) => builder.backstop_in(name.clone()),
+                    }
+                }
+                None => builder,
+            };
             let run = (plan.finish)(builder, concurrency)?;
             tracing::info!(
                 handler = plan.handler,
@@ -369,6 +428,97 @@ async fn check_relay<DB: InboxBackend>(
             Err(source) => return Err(AppError::Relay { source }),
         }
     }
+}
+
+/// Opens `consumer`'s own connection with `connect`, waiting out failures with capped backoff,
+/// until `shutdown`.
+async fn own_connection(
+    connect: &Connect,
+    consumer: &str,
+    shutdown: &CancellationToken,
+) -> Result<jetstream::Context, AppError> {
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    loop {
+        let opened = tokio::select! {
+            opened = connect() => opened,
+            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
+        };
+        match opened {
+            Ok(js) => return Ok(js),
+            Err(e) => {
+                let wait = backoff.next();
+                tracing::warn!(consumer, error = %e, retry_in = ?wait, "opening the handler's NATS connection failed; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Err(AppError::Cancelled),
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Creates or checks the backstop's advisory stream before the handler of `stream` starts, so
+/// that a stream that cannot take the advisories refuses the start; waits out JetStream being
+/// unavailable, until `shutdown`.
+async fn check_backstop(
+    js: &jetstream::Context,
+    which: &AdvisoryStream,
+    durable: &Durable,
+    shutdown: &CancellationToken,
+) -> Result<(), AppError> {
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+    let stream = durable.stream();
+    loop {
+        let checked = async {
+            let replicas = js
+                .get_stream(stream)
+                .await?
+                .cached_info()
+                .config
+                .num_replicas;
+            ensure_advisory_stream(js, which, stream, durable.name(), replicas).await
+        };
+        let checked = tokio::select! {
+            checked = checked => checked,
+            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
+        };
+        let Err(source) = checked else {
+            return Ok(());
+        };
+        let what = format!(
+            "the delivery-limit backstop of consumer {:?}",
+            durable.name()
+        );
+        if !crate::error::chain(source.as_ref()).any(is_unavailable) {
+            return Err(AppError::Nats { what, source });
+        }
+        let wait = backoff.next();
+        tracing::warn!(error = %source, retry_in = ?wait, "{what}; retrying");
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// Whether `e` is JetStream not answering yet (a timeout, no responders, a 503).
+fn is_unavailable(e: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
+    if let Some(e) = e.downcast_ref::<async_nats::jetstream::context::GetStreamError>() {
+        return match e.kind() {
+            GetStreamErrorKind::Request => true,
+            GetStreamErrorKind::JetStream(e) => crate::error::unavailable(&e),
+            _ => false,
+        };
+    }
+    if let Some(e) = e.downcast_ref::<async_nats::jetstream::context::CreateStreamError>() {
+        return match e.kind() {
+            CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => true,
+            CreateStreamErrorKind::JetStream(e) => crate::error::unavailable(&e),
+            _ => false,
+        };
+    }
+    false
 }
 
 /// SIGINT or SIGTERM (Ctrl-C elsewhere than Unix).

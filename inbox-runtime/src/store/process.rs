@@ -99,16 +99,12 @@ impl<DB: InboxBackend> Inbox<DB> {
         key: &str,
         source: sqlx::Error,
     ) -> Result<Outcome, ProcessError> {
-        let done = async {
-            let mut conn = self.pool.acquire().await?;
-            DB::fetch_id(&mut conn, self.sql.done.clone(), consumer, key).await
-        };
-        match done.await {
-            Ok(Some(_)) => {
+        match self.is_done(consumer, key).await {
+            Ok(true) => {
                 tracing::info!(error = %source, "COMMIT reported an error, but the marker is committed");
                 Ok(Outcome::Ack)
             }
-            Ok(None) => Err(ProcessError::Database {
+            Ok(false) => Err(ProcessError::Database {
                 stage: Stage::Commit,
                 source,
             }),
@@ -120,6 +116,14 @@ impl<DB: InboxBackend> Inbox<DB> {
                 })
             }
         }
+    }
+
+    /// Whether `consumer`'s marker of `key` is committed and finished (a two-phase claim still
+    /// open is not), looked up on a connection of its own.
+    pub(crate) async fn is_done(&self, consumer: &str, key: &str) -> Result<bool, sqlx::Error> {
+        let mut conn = self.pool.acquire().await?;
+        let id = DB::fetch_id(&mut conn, self.sql.done.clone(), consumer, key).await?;
+        Ok(id.is_some())
     }
 
     /// Claims `key` and runs the handler inside `tx`, a transaction (or savepoint) the caller owns

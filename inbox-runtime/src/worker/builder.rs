@@ -1,6 +1,7 @@
 //! Options: [`WorkerBuilder`] collects what the user asks for; `check.rs` decides, from the
 //! consumer's configuration, whether it can be served and with which settings.
 
+use super::backstop::AdvisoryStream;
 use super::check::{Batching, Options, Sweep, ack_wait_of, check};
 use super::names::claim_consumer_name;
 use super::{Worker, WorkerError};
@@ -172,25 +173,50 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// Deletes this handler's finished markers once they are older than `retention`, every minute,
     /// in batches, one instance at a time. `stream` is the consumer's stream: `build` refuses a
     /// retention shorter than the [`retention_floor`](crate::retention_floor) of the consumer and
-    /// stream, naming each figure, and a stream that keeps messages forever (see
-    /// [`WorkerBuilder::allow_unlimited_stream_age`]).
+    /// stream, naming each figure.
     ///
-    /// The cutoff follows the consumer, not the wall clock
+    /// The cutoff follows the stream and the consumer, not the wall clock
     /// ([`Inbox::cleanup_behind`](crate::Inbox::cleanup_behind)): a marker is kept while it is
-    /// younger than `retention` before the publish time of the oldest message the consumer has
-    /// not acked, however long the consumer was stopped or lagging.
+    /// younger than `retention` before the publish time of the oldest message still in the
+    /// stream, or of the oldest message the consumer has not acked if that is older. So a marker
+    /// lives as long as its message is stored, plus `retention`, however long the consumer was
+    /// stopped or lagging. Any stream is accepted: one that keeps messages forever (no `max_age`,
+    /// `max_msgs` or `max_bytes`, the defaults of `nats stream add`) keeps one marker per stored
+    /// message; one with limits, a work queue or an interest stream lets markers go once their
+    /// messages are gone and `retention` has passed.
     pub fn cleanup(mut self, retention: Duration, stream: &stream::Stream) -> Self {
         self.options.cleanup = Some((retention, stream.cached_info().config.clone()));
         self.cleanup_stream = Some(stream.clone());
         self
     }
 
-    /// Lets [`WorkerBuilder::cleanup`] run on a stream without `max_age` (keeping messages
-    /// forever, with retention policy `Limits`), accepting that a replay of a message older than
-    /// the retention (a consumer reset, a new consumer from the start) is applied again.
-    /// Redeliveries stay covered: the cutoff follows the consumer.
-    pub fn allow_unlimited_stream_age(mut self) -> Self {
-        self.options.unlimited_age_ok = true;
+    /// Runs the delivery-limit backstop (on by default in an [`App`](crate::App)): a message
+    /// whose last delivery ends without a verdict (the process holding it killed, a header the
+    /// client cannot parse, `max_deliver` lowered under a running instance) is dead-lettered
+    /// unless its marker is committed. The server's delivery-limit advisories of the consumer's
+    /// stream are kept in a stream `INBOX_ADVISORIES_<stream>`
+    /// ([`advisory_stream_name`](crate::advisory_stream_name); created at start when missing,
+    /// kept 7 days, left in place so that advisories published while no instance runs are kept),
+    /// and read with a durable consumer shared by every instance
+    /// (`inbox_backstop_<stream>_<durable>`). See the README's "Delivery limit" for what it does
+    /// not cover.
+    pub fn backstop(mut self) -> Self {
+        self.options.backstop = Some(AdvisoryStream::PerStream);
+        self
+    }
+
+    /// [`WorkerBuilder::backstop`], keeping the advisories in `stream`: one that already takes
+    /// `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>` (a stream of every
+    /// `$JS.EVENT.>` kept for monitoring, whose subjects a new stream could not overlap), or
+    /// one created when missing.
+    pub fn backstop_in(mut self, stream: impl Into<String>) -> Self {
+        self.options.backstop = Some(AdvisoryStream::Named(stream.into()));
+        self
+    }
+
+    /// No delivery-limit backstop (see [`WorkerBuilder::backstop`]).
+    pub fn without_backstop(mut self) -> Self {
+        self.options.backstop = None;
         self
     }
 

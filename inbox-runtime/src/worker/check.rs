@@ -35,11 +35,12 @@ pub(crate) struct Options {
     pub dead_letter_stream: String,
     pub dead_letter_prefix: String,
     pub cleanup: Option<(Duration, stream::Config)>,
-    pub unlimited_age_ok: bool,
     pub cleanup_margin: Duration,
     pub cleanup_every: Duration,
     /// The sweeper's period and threshold; the threshold defaults to 5 × `ack_wait`.
     pub sweep: (Duration, Option<Duration>),
+    /// The delivery-limit backstop's advisory stream, when it runs.
+    pub backstop: Option<super::backstop::AdvisoryStream>,
 }
 
 impl Default for Options {
@@ -55,10 +56,10 @@ impl Default for Options {
             dead_letter_stream: DEFAULT_DLQ_STREAM.to_owned(),
             dead_letter_prefix: DEFAULT_DLQ_PREFIX.to_owned(),
             cleanup: None,
-            unlimited_age_ok: false,
             cleanup_margin: Duration::from_secs(3600),
             cleanup_every: Duration::from_secs(60),
             sweep: (Duration::from_secs(60), None),
+            backstop: None,
         }
     }
 }
@@ -87,6 +88,8 @@ pub(crate) struct Settings {
     pub cleanup: Option<Schedule>,
     /// The sweeper of open claims (two-phase handlers only; set by `build`).
     pub sweep: Option<Sweep>,
+    /// The delivery-limit backstop's advisory stream, when it runs.
+    pub backstop: Option<super::backstop::AdvisoryStream>,
 }
 
 /// Batched commits: see [`WorkerBuilder::batch`].
@@ -154,14 +157,9 @@ pub(crate) fn check(
     };
     let cleanup = match &options.cleanup {
         None => None,
+        // Any stream: one that keeps messages forever keeps their markers as long, since the
+        // cutoff follows its oldest stored message (`Inbox::cleanup_behind`).
         Some((retention, stream)) => {
-            let keeps_forever =
-                stream.max_age.is_zero() && stream.retention == stream::RetentionPolicy::Limits;
-            if keeps_forever && !options.unlimited_age_ok {
-                return Err(WorkerError::UnlimitedStreamAge {
-                    stream: stream.name.clone(),
-                });
-            }
             let floor =
                 retention_floor(config, stream, limits.longest_nak(), options.cleanup_margin);
             if *retention < floor.total() {
@@ -194,6 +192,7 @@ pub(crate) fn check(
         limits,
         cleanup,
         sweep: None,
+        backstop: options.backstop.clone(),
     })
 }
 
@@ -303,44 +302,31 @@ mod tests {
     }
 
     #[test]
-    fn cleanup_on_a_stream_that_keeps_messages_forever_is_refused_unless_allowed() {
+    fn cleanup_on_a_stream_that_keeps_messages_forever_is_accepted() {
+        // nats-style defaults: no max_age, retention policy Limits. The cutoff follows the
+        // oldest stored message, so such a stream keeps its markers as long as its messages.
         let forever = stream::Config {
             name: "ORDERS".into(),
             ..Default::default()
         };
-        let mut o = Options {
-            cleanup: Some((Duration::from_secs(365 * 86400), forever.clone())),
+        let o = Options {
+            cleanup: Some((Duration::from_secs(365 * 86400), forever)),
             ..Options::default()
         };
-        let err = checked(&o, &config()).unwrap_err();
-        assert!(
-            matches!(&err, WorkerError::UnlimitedStreamAge { stream } if stream == "ORDERS"),
-            "{err}"
-        );
-        let text = err.to_string();
-        assert!(text.contains("max_age"), "{text}");
-        assert!(text.contains("allow_unlimited_stream_age"), "{text}");
-        o.unlimited_age_ok = true;
-        assert!(checked(&o, &config()).is_ok());
-        // A work queue or interest stream removes what was acked: nothing old to replay.
-        o.unlimited_age_ok = false;
-        let work_queue = stream::Config {
-            retention: stream::RetentionPolicy::WorkQueue,
-            ..forever
-        };
-        o.cleanup = Some((Duration::from_secs(365 * 86400), work_queue));
-        assert!(checked(&o, &config()).is_ok());
+        let schedule = checked(&o, &config()).unwrap().cleanup.unwrap();
+        assert_eq!(schedule.retention, Duration::from_secs(365 * 86400));
     }
 
     #[test]
     fn a_retention_below_the_floor_is_refused_naming_each_figure() {
+        // The stream's max_age is no figure: the cutoff follows the oldest stored message.
         let stream = stream::Config {
             duplicate_window: Duration::from_secs(120),
+            max_age: Duration::from_secs(3 * 86400),
             ..Default::default()
         };
         let mut o = Options {
             cleanup_margin: Duration::from_secs(60),
-            unlimited_age_ok: true,
             ..Options::default()
         };
         // ack_wait 30 s × max_deliver 5 + duplicate window 120 s + margin 60 s = 330 s.
@@ -355,6 +341,7 @@ mod tests {
         ] {
             assert!(text.contains(figure), "{figure:?} missing from: {text}");
         }
+        assert!(!text.contains("max_age"), "{text}");
         o.cleanup = Some((Duration::from_secs(330), stream.clone()));
         let schedule = checked(&o, &config()).unwrap().cleanup.unwrap();
         assert_eq!(schedule.retention, Duration::from_secs(330));

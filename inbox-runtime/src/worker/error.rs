@@ -65,15 +65,6 @@ pub enum WorkerError {
         /// The minimum and its figures.
         floor: RetentionFloor,
     },
-    /// Cleanup was asked for on a stream that keeps messages forever: any of them can be
-    /// replayed (a consumer reset or a new consumer) after its marker is deleted.
-    #[error(
-        "stream {stream:?} keeps messages forever (max_age 0, retention policy Limits), so a replay of any stored message could come after cleanup deleted its marker; set a max_age on the stream (and a retention above it), or accept that replays older than the retention are applied again with WorkerBuilder::allow_unlimited_stream_age()"
-    )]
-    UnlimitedStreamAge {
-        /// The stream's name.
-        stream: String,
-    },
     /// Another handler of this process already uses this consumer name on the same inbox table
     /// and kind of database: each would skip the other's messages as duplicates.
     #[error(

@@ -6,10 +6,12 @@
 //! consumer cannot be served), `pull` (permits, pull requests, shutdown), `serve` (one message:
 //! decode, key, process, retries, progress acks, carrying out the verdict), `serve_batch` (a
 //! batch of messages in one transaction), `verdict` (the pure decision), `dead_letter` (the
-//! dead-letter stream and what a letter says), `circuit` (pulling paused while the database is
+//! dead-letter stream and what a letter says), `backstop` (dead letters for messages whose last
+//! delivery ended without a verdict, from the server's advisories), `circuit` (pulling paused while the database is
 //! unreachable), `upkeep` (the background tasks: cleanup, partitions, the sweep of open claims,
 //! parked letters). This file holds the [`Worker`] handle, its counters and `run_until`.
 
+mod backstop;
 mod builder;
 mod check;
 mod circuit;
@@ -23,6 +25,8 @@ mod transport_id;
 mod upkeep;
 mod verdict;
 
+pub(crate) use backstop::{AdvisoryStream, ensure_stream as ensure_advisory_stream};
+pub use backstop::{UNREADABLE_HEADERS, advisory_stream_name};
 pub use builder::{AckMode, NoState, WorkerBuilder};
 pub use check::DEFAULT_DEADLINE;
 pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
@@ -212,7 +216,8 @@ where
             (self.inner.settings.cleanup, &self.inner.cleanup_stream)
         {
             let inbox = self.inner.inbox.clone();
-            let progress = (self.inner.consumer.clone(), stream.clone());
+            let _ = stream;
+            let progress = (self.inner.jetstream.clone(), self.inner.consumer.clone());
             let stop = shutdown.clone();
             tasks.spawn(upkeep::clean_up(
                 inbox,
@@ -244,6 +249,13 @@ where
                 )
                 .await
             });
+        }
+        if let Some(advisories) = self.inner.settings.backstop.clone() {
+            tasks.spawn(backstop::run(
+                self.inner.clone(),
+                advisories,
+                shutdown.clone(),
+            ));
         }
         if let Some(sweep) = self.inner.settings.sweep {
             tasks.spawn(upkeep::sweep_open_claims(

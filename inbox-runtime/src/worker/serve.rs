@@ -133,7 +133,20 @@ where
                 }
             }
             Verdict::DeadLetter(reason) => {
-                let created = self.stream_created.cached();
+                // The letter's id names the stream's creation time, looked up if need be: the
+                // delivery-limit backstop, in any instance, names it too, and the two ids must
+                // agree for the dead-letter stream to keep one letter.
+                let created = match self
+                    .stream_created
+                    .get(&self.jetstream, &delivery.stream)
+                    .await
+                {
+                    Ok(created) => Some(created),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "the stream's creation time is unknown; the letter's id goes without it");
+                        self.stream_created.cached()
+                    }
+                };
                 let letter = DeadLetter {
                     consumer: H::CONSUMER,
                     stream: &delivery.stream,
@@ -379,7 +392,7 @@ pub(super) async fn with_progress<T>(
 }
 
 /// What a panic said, when it said it with a string.
-fn panic_text(panic: &(dyn Any + Send)) -> String {
+pub(super) fn panic_text(panic: &(dyn Any + Send)) -> String {
     panic
         .downcast_ref::<&str>()
         .map(|s| (*s).to_owned())

@@ -34,7 +34,7 @@ impl Delivery {
 pub(super) struct StreamCreated(std::sync::Mutex<Option<i128>>);
 
 impl StreamCreated {
-    async fn get(
+    pub(super) async fn get(
         &self,
         js: &async_nats::jetstream::Context,
         stream: &str,
@@ -86,9 +86,20 @@ pub(super) async fn key_of(
     delivery: &Delivery,
     created: &StreamCreated,
 ) -> Result<String, ProcessError> {
+    key_on(explicit, &message.context, delivery, created).await
+}
+
+/// [`key_of`] for a delivery that came some other way than a consumer (a message read by
+/// sequence), the stream looked up on `js` when the key is the transport id.
+pub(super) async fn key_on(
+    explicit: Option<String>,
+    js: &async_nats::jetstream::Context,
+    delivery: &Delivery,
+    created: &StreamCreated,
+) -> Result<String, ProcessError> {
     let key = match explicit {
         Some(key) => key,
-        None => delivery.transport_id(&message.context, created).await?,
+        None => delivery.transport_id(js, created).await?,
     };
     validate_key(&key)?;
     Ok(key)

@@ -10,8 +10,8 @@ use crate::handler::Handler;
 use crate::layout::Partitions;
 use crate::periodic::Every;
 use crate::store::Inbox;
+use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
-use async_nats::jetstream::stream::Stream;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -30,12 +30,12 @@ const BATCH: u32 = 1_000;
 /// Passes in a row without the lock after which a stuck lock is reported.
 const STUCK_AFTER: u32 = 10;
 
-/// Runs [`Inbox::cleanup_behind`] for `consumer` (behind `durable` of `stream`) on `schedule`
+/// Runs [`Inbox::cleanup_behind`] for `consumer` (behind `durable`, read on `js`) on `schedule`
 /// until `shutdown`; failures are logged and retried at the next tick.
 pub(super) async fn clean_up<DB: InboxBackend>(
     inbox: Inbox<DB>,
     consumer: &'static str,
-    (durable, stream): (PullConsumer, Stream),
+    (js, durable): (jetstream::Context, PullConsumer),
     schedule: Schedule,
     shutdown: CancellationToken,
 ) {
@@ -45,7 +45,7 @@ pub(super) async fn clean_up<DB: InboxBackend>(
     // pooler that pins advisory locks to the wrong session), and cleanup has silently stopped.
     let mut skipped = 0u32;
     while every.tick().await {
-        let pass = inbox.cleanup_behind(consumer, &durable, &stream, schedule.retention, BATCH);
+        let pass = inbox.cleanup_behind(consumer, &js, &durable, schedule.retention, BATCH);
         match pass.await {
             Ok(Some(n)) => {
                 skipped = 0;

@@ -1,10 +1,13 @@
 //! Cleanup deletes finished markers older than the retention, in bounded batches, never an open
-//! claim, and one instance at a time. Time is moved by back-dating rows.
+//! claim, and one instance at a time; behind a stream, never the marker of a message still in
+//! it, nor of one the consumer's backlog may duplicate. Time is moved by back-dating rows, or,
+//! where a marker must not predate its message, by waiting out a retention of a second.
 
 use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, Running};
+use async_nats::jetstream::stream;
 use futures::StreamExt;
 use inbox_runtime::{Outcome, process_delivery};
 use inbox_testkit::{Poll, wait_until};
@@ -216,8 +219,7 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
     )
     .await
     .unwrap();
-    let stream = nats.js.get_stream(&nats.stream).await.unwrap();
-    let pass = inbox.cleanup_behind("ledger", &consumer, &stream, retention, 10);
+    let pass = inbox.cleanup_behind("ledger", &nats.js, &consumer, retention, 10);
     assert_eq!(
         pass.await.unwrap(),
         Some(0),
@@ -235,12 +237,23 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
     assert_eq!((stats.acked, stats.skipped), (0, 1), "{stats:?}");
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
 
-    // Nothing pending any more: the marker goes once it is older than the retention.
+    // Nothing pending any more, but both copies are still in the stream, where a replay would
+    // find them: the marker stays.
+    let pass = inbox.cleanup_behind("ledger", &nats.js, &consumer, retention, 10);
+    assert_eq!(
+        pass.await.unwrap(),
+        Some(0),
+        "the messages are still stored"
+    );
+
+    // Once they have left the stream, the marker goes (it is older than the retention).
+    let stream = nats.js.get_stream(&nats.stream).await.unwrap();
+    stream.purge().await.unwrap();
     wait_until(
         "the marker to be cleaned up",
         Duration::from_secs(30),
         async || {
-            let pass = inbox.cleanup_behind("ledger", &consumer, &stream, retention, 10);
+            let pass = inbox.cleanup_behind("ledger", &nats.js, &consumer, retention, 10);
             pass.await.unwrap() == Some(1)
         },
     )
@@ -248,7 +261,96 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
     .unwrap();
 }
 
+/// Retention follows the stream. On a stream made with `nats`-style defaults (no `max_age`),
+/// limited to three messages: a marker older than the retention is kept while its message is
+/// still in the stream (a replay, a consumer reset or a new consumer, would need it), and goes
+/// once the stream has dropped the message and the retention has passed since. The cutoff used
+/// to follow the consumer and the wall clock alone: with nothing pending it deleted the markers
+/// of messages still stored, and a stream without `max_age` was refused at start.
+async fn markers_follow_the_messages_in_the_stream<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create_with(stream::Config {
+        max_messages: 3,
+        ..Default::default()
+    })
+    .await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let stream = nats.js.get_stream(&nats.stream).await.unwrap();
+    let markers =
+        async || B::count(&db, "SELECT count(*) FROM inbox WHERE consumer = 'ledger'").await;
+    let cleanup = async |retention| {
+        let pass = inbox.cleanup_behind("ledger", &nats.js, &consumer, retention, 10);
+        pass.await.unwrap()
+    };
+
+    // A worker cleaning up on it starts (its first pass, at once, is a week's retention: it
+    // deletes nothing here) and processes a, b and c.
+    let entries = ["a", "b", "c"].map(|key| Entry::new(key, 1, 1).json());
+    nats.publish_all(entries).await;
+    let worker = nats
+        .worker(inbox.clone(), consumer.clone())
+        .cleanup(Duration::from_secs(7 * 86400), &stream)
+        .cleanup_every(Duration::from_secs(3600))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .expect("a stream that keeps messages forever is accepted");
+    let run = Running::start(&worker);
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!(stats.acked, 3, "{stats:?}");
+
+    // The retention passes: a marker of another consumer, written after these, is older than
+    // it by the database's clock. (Back-dating the markers cannot show this: a marker dated
+    // before its own message was published is one no run writes.)
+    let short = Duration::from_secs(1);
+    let clock = Entry::new("clock", 1, 1);
+    let delivery = inbox_runtime::Delivery::default();
+    let credit = B::Credit::default();
+    let clocked = inbox.process(&credit, &(), clock, &delivery);
+    assert_eq!(clocked.await.unwrap(), Outcome::Ack);
+    wait_until(
+        "the retention to pass",
+        Duration::from_secs(30),
+        async || inbox.cleanup("credit", short, 10).await.unwrap() == Some(1),
+    )
+    .await
+    .unwrap();
+
+    // Nothing is pending, and every marker is older than the retention, but a, b and c are
+    // still in the stream: their markers stay.
+    assert_eq!(cleanup(short).await, Some(0), "markers of stored messages");
+    assert_eq!(markers().await, 3);
+
+    // Three more messages push a, b and c out of the stream (max_msgs 3).
+    let entries = ["d", "e", "f"].map(|key| Entry::new(key, 1, 1).json());
+    nats.publish_all(entries).await;
+    wait_until(
+        "a, b and c to leave the stream",
+        Duration::from_secs(30),
+        async || {
+            let state = stream.get_info().await.unwrap().state;
+            (state.first_sequence, state.messages) == (4, 3)
+        },
+    )
+    .await
+    .unwrap();
+
+    // Gone from the stream, they still keep their markers for the retention (an hour here,
+    // which a and b are made older than)...
+    let hour = Duration::from_secs(3600);
+    assert_eq!(cleanup(hour).await, Some(0), "within the retention");
+    B::backdate(&db, "a").await;
+    B::backdate(&db, "b").await;
+    // ...and lose them once it has passed.
+    assert_eq!(cleanup(hour).await, Some(2));
+    assert_eq!(markers().await, 1);
+    let c = "SELECT count(*) FROM inbox WHERE consumer = 'ledger' AND message_key = 'c'";
+    assert_eq!(B::count(&db, c).await, 1);
+    assert_eq!(cleanup(short).await, Some(1), "c is older than a second");
+    assert_eq!(markers().await, 0);
+}
+
 super::behaviours!(
+    markers_follow_the_messages_in_the_stream,
     repro_cleanup_deletes_markers_a_lagging_consumer_needs,
     repro_cancelled_cleanup_keeps_the_lock,
     cleanup_deletes_only_old_finished_markers,

@@ -54,6 +54,7 @@ mod committed_not_acked_is_skipped_on_redelivery;
 mod concurrent_migrations;
 mod dead_letters_are_stored;
 mod default_key_names_the_stream_instance;
+mod delivery_limit_backstop;
 mod empty_msg_id_is_no_id;
 mod failures_are_retried_or_dead_lettered;
 mod graceful_shutdown;

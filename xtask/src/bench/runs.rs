@@ -220,6 +220,9 @@ pub async fn consumer_run(
     }
     .await;
     let _ = js.delete_stream(&name).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(&name))
+        .await;
     let _ = js.delete_stream(format!("{name}_EVENTS")).await;
     db.remove().await?;
     result

@@ -49,7 +49,7 @@ impl From<StreamMessage> for Letter {
             error: header("Inbox-Error"),
             msg_id: header("Nats-Msg-Id"),
             original_msg_id: header("Inbox-Original-Msg-Id"),
-            unreadable_headers: header("Inbox-Unreadable-Headers"),
+            unreadable_headers: header(inbox_runtime::UNREADABLE_HEADERS),
             payload: m.payload.to_vec(),
         }
     }

@@ -81,7 +81,7 @@ pub async fn create(js: &jetstream::Context, replicas: usize) -> Result<(), Stri
             name: STREAM.into(),
             subjects: vec![SUBJECT.into()],
             num_replicas: replicas,
-            // Finite, as `credit`'s cleanup requires.
+            // An hour: what a run leaves goes by itself, and the markers behind it with it.
             max_age: Duration::from_secs(3600),
             ..Default::default()
         })

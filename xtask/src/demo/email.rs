@@ -71,6 +71,9 @@ pub async fn run(part: Part<'_>) -> Result<(), String> {
     .await;
     let (applied, skipped) = stop_all(children).await?;
     let _ = js.delete_stream(&config.stream).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(&config.stream))
+        .await;
     if !finished {
         return Err(format!(
             "the e-mails were not all sent within {DEADLINE:?} (or a process exited); see {}",

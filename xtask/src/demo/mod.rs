@@ -82,7 +82,7 @@ pub async fn run() -> Result<(), String> {
     js.get_or_create_stream(stream::Config {
         name: config.stream.clone(),
         subjects: vec![config.subject.clone()],
-        // Finite, as `credit`'s cleanup requires.
+        // An hour: what a run leaves goes by itself, and the markers behind it with it.
         max_age: std::time::Duration::from_secs(3600),
         ..Default::default()
     })
@@ -98,10 +98,16 @@ pub async fn run() -> Result<(), String> {
     };
     let mut result = credit::run(part).await;
     let _ = js.delete_stream(&config.stream).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(&config.stream))
+        .await;
     if result.is_ok() {
         result = chain::run(part).await;
     }
     let _ = js.delete_stream(config.events_stream()).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(&config.events_stream()))
+        .await;
     if result.is_ok() {
         result = email::run(part).await;
     }

@@ -91,6 +91,9 @@ pub async fn run(part: Part<'_>) -> Result<(), String> {
     let after = sample_metrics(&metrics).await;
     let (applied, skipped) = stop_all(children).await?;
     let _ = js.delete_stream(&stream).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(&stream))
+        .await;
     if !finished {
         return Err(format!(
             "the orders were not all applied within {DEADLINE:?} (or a process exited); see {}",

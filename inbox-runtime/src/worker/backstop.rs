@@ -1,0 +1,396 @@
+//! The delivery-limit backstop: a message whose last delivery ended without a verdict (the
+//! process holding it was killed, a header block the client cannot parse kept it from ever
+//! reaching the handler, `max_deliver` was lowered under a running instance) is never delivered
+//! again, and nothing else would dead-letter it.
+//!
+//! JetStream publishes an advisory for each such message,
+//! `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>`. Advisories are not stored
+//! unless a stream takes them, so the backstop keeps them in a stream of its own (default
+//! `INBOX_ADVISORIES_<stream>`, bounded age, created or checked at start and left in place, so
+//! that advisories published while no instance runs are kept) and reads those of its consumer
+//! with a durable consumer of its own, shared by every instance. For each: the message is read
+//! by sequence through the JSON API (`stored.rs`: a header block the client cannot parse is
+//! still read); its marker committed, nothing happens (only the ack was lost); else it is
+//! dead-lettered as any letter, with the same `Nats-Msg-Id` as a worker's letter for that message,
+//! so that two instances, a repeated advisory or a letter the worker stored already come to one
+//! letter (within the dead-letter stream's duplicate window).
+//!
+//! What it does not cover: an advisory the server does not publish or loses (around a stream
+//! leader change), and a message removed from its stream before the advisory is read (the
+//! stream's limits). Operators find those as messages of the stream with neither a marker nor a
+//! letter: see the README's "Delivery limit".
+
+use super::Inner;
+use super::dead_letter::{DeadLetter, letter_headers};
+use super::serve::panic_text;
+use super::transport_id::key_on;
+use crate::backoff::Backoff;
+use crate::delivery::{Codec, Delivery};
+use crate::error::ProcessError;
+use crate::handler::Handler;
+use crate::stored::{self, Lookup};
+use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::{self, AckKind, stream};
+use futures::{FutureExt, StreamExt};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Which stream keeps a consumer's delivery-limit advisories.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum AdvisoryStream {
+    /// `INBOX_ADVISORIES_<stream>` (see [`advisory_stream_name`]), created when missing with
+    /// the subjects of the stream's consumers only: one per stream, so that two never overlap.
+    PerStream,
+    /// A stream of the operator's, which must take
+    /// `$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>` (an existing stream of
+    /// every `$JS.EVENT.>`, say); created when missing as a per-stream one would be.
+    Named(String),
+}
+
+/// The stream that keeps the delivery-limit advisories of `stream`'s consumers, by default:
+/// `INBOX_ADVISORIES_<stream>`.
+pub fn advisory_stream_name(stream: &str) -> String {
+    format!("INBOX_ADVISORIES_{stream}")
+}
+
+/// The subject prefix of the advisories: `.<stream>.<consumer>` follows.
+const ADVISORY_PREFIX: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES";
+
+/// How long the advisory stream keeps an advisory: long enough for every instance to be down
+/// over a long weekend and still find it.
+const ADVISORY_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The header that carries, base64-encoded (one item per line, comma-separated), the header
+/// lines of the original that cannot travel as NATS headers.
+pub const UNREADABLE_HEADERS: &str = "Inbox-Unreadable-Headers";
+
+/// What an advisory says (`io.nats.jetstream.advisory.v1.max_deliver`).
+#[derive(Debug, serde::Deserialize)]
+struct Advisory {
+    stream: String,
+    consumer: String,
+    stream_seq: u64,
+    deliveries: i64,
+}
+
+/// What the backstop did with one advisory.
+#[derive(Debug, PartialEq, Eq)]
+enum Done {
+    /// The message's marker is committed: nothing to do.
+    Committed,
+    /// The message is no longer in its stream.
+    Gone,
+    /// Dead-lettered.
+    Lettered,
+}
+
+/// Creates the advisory stream of `durable` of `stream` if it is missing (with `replicas`
+/// replicas), or checks that the existing one takes its advisories. Returns its name.
+pub(crate) async fn ensure_stream(
+    js: &jetstream::Context,
+    which: &AdvisoryStream,
+    stream: &str,
+    durable: &str,
+    replicas: usize,
+) -> Result<String, async_nats::Error> {
+    let name = match which {
+        AdvisoryStream::PerStream => advisory_stream_name(stream),
+        AdvisoryStream::Named(name) => name.clone(),
+    };
+    let ours = format!("{ADVISORY_PREFIX}.{stream}.{durable}");
+    let mut found = js
+        .get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{ADVISORY_PREFIX}.{stream}.*")],
+            max_age: ADVISORY_MAX_AGE,
+            num_replicas: replicas.max(1),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| {
+            format!(
+                "creating stream {name:?} for the delivery-limit advisories of {stream}/{durable}: {e} (a stream that already takes {ours:?} can be named instead: WorkerBuilder::backstop, App::backstop)"
+            )
+        })?;
+    let subjects = &found.info().await?.config.subjects;
+    if !subjects.iter().any(|s| covers(s, &ours)) {
+        return Err(format!(
+            "stream {name:?} exists but does not take the delivery-limit advisories {ours:?} (its subjects: {subjects:?})"
+        )
+        .into());
+    }
+    Ok(name)
+}
+
+/// Whether subject filter `pattern` matches every subject `filter` matches (`>` and `*`
+/// wildcards).
+fn covers(pattern: &str, filter: &str) -> bool {
+    let mut p = pattern.split('.');
+    let mut f = filter.split('.');
+    loop {
+        match (p.next(), f.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(t)) if t != ">" => {}
+            (Some(a), Some(b)) if a == b => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+/// The backstop's durable consumer for `durable` of `stream`, on advisory stream `advisories`.
+async fn backstop_consumer(
+    js: &jetstream::Context,
+    advisories: &str,
+    stream: &str,
+    durable: &str,
+) -> Result<PullConsumer, async_nats::Error> {
+    let name = format!("inbox_backstop_{stream}_{durable}");
+    let filter = format!("{ADVISORY_PREFIX}.{stream}.{durable}");
+    let consumer = js
+        .get_stream(advisories)
+        .await?
+        .get_or_create_consumer(
+            &name,
+            consumer::pull::Config {
+                durable_name: Some(name.clone()),
+                filter_subject: filter.clone(),
+                ack_policy: AckPolicy::Explicit,
+                deliver_policy: DeliverPolicy::All,
+                ack_wait: Duration::from_secs(60),
+                // An advisory is never given up: its message would be lost.
+                max_deliver: -1,
+                ..Default::default()
+            },
+        )
+        .await?;
+    let config = &consumer.cached_info().config;
+    if config.filter_subject != filter {
+        return Err(format!(
+            "consumer {name:?} of stream {advisories:?} filters {:?}, not {filter:?}",
+            config.filter_subject
+        )
+        .into());
+    }
+    Ok(consumer)
+}
+
+/// Runs the backstop of `inner`'s consumer, reading advisory stream `advisories`, until
+/// `shutdown`. Failures are logged and waited out; an advisory is acknowledged only once its
+/// message is known to be committed, gone, or dead-lettered.
+pub(super) async fn run<H: Handler>(
+    inner: Arc<Inner<H>>,
+    advisories: AdvisoryStream,
+    shutdown: CancellationToken,
+) {
+    let info = inner.consumer.cached_info();
+    let (stream, durable) = (info.stream_name.clone(), info.name.clone());
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    while !shutdown.is_cancelled() {
+        let failed = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            failed = inner.serve_advisories(&advisories, &stream, &durable) => failed,
+        };
+        let wait = backoff.next();
+        tracing::warn!(consumer = H::CONSUMER, error = %failed, retry_in = ?wait, "delivery-limit backstop: reading advisories failed");
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+impl<H: Handler> Inner<H> {
+    /// Makes sure of the advisory stream and the backstop's consumer, then handles advisories
+    /// until something fails: returns the failure.
+    async fn serve_advisories(
+        &self,
+        advisories: &AdvisoryStream,
+        stream: &str,
+        durable: &str,
+    ) -> async_nats::Error {
+        let js = &self.jetstream;
+        let consumer = async {
+            let replicas = js
+                .get_stream(stream)
+                .await?
+                .cached_info()
+                .config
+                .num_replicas;
+            let advisories = ensure_stream(js, advisories, stream, durable, replicas).await?;
+            backstop_consumer(js, &advisories, stream, durable).await
+        };
+        let consumer = match consumer.await {
+            Ok(consumer) => consumer,
+            Err(e) => return e,
+        };
+        loop {
+            let batch = consumer
+                .batch()
+                .max_messages(16)
+                .expires(Duration::from_secs(5))
+                .messages()
+                .await;
+            let mut batch = match batch {
+                Ok(batch) => batch,
+                Err(e) => return e.into(),
+            };
+            while let Some(advisory) = batch.next().await {
+                match advisory {
+                    Ok(advisory) => self.backstop_one(&advisory).await,
+                    Err(e) => return e,
+                }
+            }
+        }
+    }
+
+    /// Handles one advisory message: acked once handled, nak'd (to be tried again) on failure.
+    async fn backstop_one(&self, message: &jetstream::Message) {
+        let advisory: Advisory = match serde_json::from_slice(&message.payload) {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(consumer = H::CONSUMER, error = %e, subject = %message.subject, "not a delivery-limit advisory; ignored");
+                if let Err(e) = message.ack().await {
+                    tracing::debug!(error = %e, "acking an unreadable advisory failed");
+                }
+                return;
+            }
+        };
+        let answer = match self.backstop(&advisory).await {
+            Ok(done) => {
+                tracing::debug!(consumer = H::CONSUMER, stream = %advisory.stream, seq = advisory.stream_seq, ?done, "delivery-limit advisory handled");
+                AckKind::Ack
+            }
+            Err(e) => {
+                tracing::warn!(consumer = H::CONSUMER, stream = %advisory.stream, seq = advisory.stream_seq, error = %e, "delivery-limit backstop failed; trying again");
+                AckKind::Nak(Some(Duration::from_secs(5)))
+            }
+        };
+        if let Err(e) = message.ack_with(answer).await {
+            tracing::debug!(error = %e, "answering a delivery-limit advisory failed; it comes back");
+        }
+    }
+
+    /// Reads the advisory's message and dead-letters it unless its marker is committed.
+    async fn backstop(&self, advisory: &Advisory) -> Result<Done, async_nats::Error> {
+        let js = &self.jetstream;
+        let lookup = Lookup::Sequence(advisory.stream_seq);
+        let Some(stored) = stored::read(js, &advisory.stream, lookup).await? else {
+            tracing::warn!(
+                consumer = H::CONSUMER,
+                stream = %advisory.stream,
+                seq = advisory.stream_seq,
+                "a message reached its delivery limit without a verdict, and its stream no longer holds it: it cannot be dead-lettered"
+            );
+            return Ok(Done::Gone);
+        };
+        let headers = stored.headers();
+        let delivery = Delivery::of_stored(
+            &stored,
+            &headers.readable,
+            &advisory.stream,
+            advisory.deliveries,
+        );
+        let why = match self.stored_key(&stored.payload, &delivery).await? {
+            Ok(key) => {
+                if self.inbox.is_done(H::CONSUMER, &key).await? {
+                    return Ok(Done::Committed);
+                }
+                format!(
+                    "delivery limit reached without a verdict (delivery {} of consumer {:?}): the process holding its last delivery stopped, or the client could not read the message",
+                    advisory.deliveries, advisory.consumer
+                )
+            }
+            // No key, so it was never applied: the worker would have dead-lettered it.
+            Err(e) => format!("delivery limit reached without a verdict, and {e}"),
+        };
+        let created = self.stream_created.get(js, &advisory.stream).await.ok();
+        let letter = DeadLetter {
+            consumer: H::CONSUMER,
+            stream: &advisory.stream,
+            stream_created: created,
+            stream_seq: advisory.stream_seq,
+            delivered: advisory.deliveries,
+            error: &why,
+        };
+        let readable = (!headers.readable.is_empty()).then_some(&headers.readable);
+        let mut letter_headers = letter_headers(readable, &letter);
+        if !headers.unreadable.is_empty() {
+            let encoded = stored::encode_unreadable(&headers.unreadable);
+            letter_headers.insert(UNREADABLE_HEADERS, encoded.as_str());
+        }
+        self.dead_letters
+            .send(js, letter_headers, stored.payload.clone())
+            .await?;
+        crate::metrics::backstop_lettered(H::CONSUMER);
+        tracing::error!(
+            consumer = H::CONSUMER,
+            stream = %advisory.stream,
+            seq = advisory.stream_seq,
+            unreadable_headers = headers.unreadable.len(),
+            error = %why,
+            "message dead-lettered by the delivery-limit backstop"
+        );
+        Ok(Done::Lettered)
+    }
+
+    /// The key the worker would have given the stored message, decoded and keyed as a delivery
+    /// is; `Ok(Err(why))` when it has none (a payload that does not decode, a key expression that
+    /// fails or panics), `Err` when the stream could not be looked up for the default key.
+    async fn stored_key(
+        &self,
+        payload: &bytes::Bytes,
+        delivery: &Delivery,
+    ) -> Result<Result<String, String>, async_nats::Error> {
+        let explicit = AssertUnwindSafe(async {
+            let decoded = <H::Codec as Codec<H::Message>>::decode(payload).map_err(|e| {
+                format!(
+                    "its payload does not decode as {} ({}): {e}",
+                    std::any::type_name::<H::Message>(),
+                    <H::Codec as Codec<H::Message>>::NAME
+                )
+            })?;
+            self.handler
+                .key(&decoded, delivery, &self.state)
+                .map_err(|e| format!("it has no usable key: {e}"))
+        })
+        .catch_unwind()
+        .await
+        .unwrap_or_else(|panic| Err(format!("its key panicked: {}", panic_text(&*panic))));
+        let explicit = match explicit {
+            Ok(explicit) => explicit,
+            Err(why) => return Ok(Err(why)),
+        };
+        match key_on(explicit, &self.jetstream, delivery, &self.stream_created).await {
+            Ok(key) => Ok(Ok(key)),
+            Err(e @ ProcessError::StreamLookup { .. }) => Err(e.into()),
+            Err(e) => Ok(Err(format!("it has no usable key: {e}"))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::covers;
+
+    #[test]
+    fn covering_filters() {
+        let ours = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.c";
+        assert!(covers(ours, ours));
+        assert!(covers(">", ours));
+        assert!(covers("$JS.EVENT.>", ours));
+        assert!(covers("$JS.EVENT.ADVISORY.*.MAX_DELIVERIES.>", ours));
+        assert!(covers(
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.S.*",
+            ours
+        ));
+        assert!(!covers(
+            "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.T.*",
+            ours
+        ));
+        assert!(!covers("$JS.EVENT.ADVISORY.CONSUMER.*", ours));
+        assert!(!covers("orders.>", ours));
+    }
+}
