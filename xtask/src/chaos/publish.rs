@@ -136,7 +136,9 @@ fn request(id: &str, account: usize, amount: i64) -> Vec<u8> {
 /// Creates the stream, the consumer and the dead-letter stream (rejecting every letter), each
 /// with `replicas` replicas, and publishes every message, keeping where each was stored. With
 /// `raw_url`, the [`Kind::Unreadable`] requests are among them, published over a raw connection
-/// to that server.
+/// to that server. The cluster and failover runs pass none: they keep to their own fault, and
+/// on a cluster the server may lose a `MAX_DELIVERIES` advisory around a leader change, which
+/// no backstop can make up for.
 pub async fn publish(
     js: &jetstream::Context,
     n: usize,
