@@ -8,8 +8,8 @@ use crate::startup::{
 use crate::{Error, MAX_AGE, NatsAuth, RETENTION, Vars, observe, orders, redact};
 use async_nats::jetstream::{self, stream};
 use inbox_runtime::{
-    AckMode, App, Durable, Handler, Inbox, InboxBackend, Outbox, OutboxMessage, Relay, Stats, Tx,
-    WorkerBuilder, idempotent,
+    AckMode, App, Delivery, Durable, Handler, Inbox, InboxBackend, Outbox, OutboxMessage, Relay,
+    Stats, Tx, WorkerBuilder, idempotent,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::{MySql, MySqlPool, PgPool, Pool, Postgres, Sqlite, SqlitePool};
@@ -66,8 +66,60 @@ impl<DB: InboxBackend> Announce<DB> {
     }
 }
 
+/// What `credit`'s handler is handed besides the message: where it announces what it applied,
+/// and the test-only hold on a last delivery.
+pub struct CreditState<DB: InboxBackend> {
+    /// Where applied credits are announced.
+    pub events: Announce<DB>,
+    /// `CREDIT_TEST_LAST_DELIVERY_HOLD_MS` (tests only).
+    pub last_delivery_hold: LastDeliveryHold,
+}
+
+/// `CREDIT_TEST_LAST_DELIVERY_HOLD_MS` (tests only): on a message's last delivery (`delivered >=
+/// max_deliver`), the handler waits this long before its first statement, its claim made and
+/// nothing committed, so that a test can kill the process while it holds the message there.
+///
+/// It logs (at WARN, target `inbox_examples`) `last delivery held ... stream_seq=N` when the
+/// hold begins and `last delivery let go ... stream_seq=N` when it ends (also when the try is
+/// dropped): `inbox_testkit::LastDeliveryHolds` reads a process's log for them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LastDeliveryHold {
+    /// How long; zero holds nothing.
+    pub hold: Duration,
+    /// The consumer's `max_deliver`, read once at start.
+    pub max_deliver: i64,
+}
+
+impl LastDeliveryHold {
+    /// Waits [`Self::hold`] when `delivery` is the message's last; returns at once otherwise.
+    pub async fn on(&self, delivery: &Delivery) {
+        if self.hold.is_zero() || self.max_deliver <= 0 || delivery.delivered() < self.max_deliver {
+            return;
+        }
+        let stream_seq = delivery.stream_sequence();
+        tracing::warn!(
+            target: "inbox_examples",
+            stream_seq,
+            delivered = delivery.delivered(),
+            hold = ?self.hold,
+            "last delivery held (CREDIT_TEST_LAST_DELIVERY_HOLD_MS)"
+        );
+        /// Logs the end of the hold however it ends: slept out, or dropped with its try.
+        struct LetGo(u64);
+        impl Drop for LetGo {
+            fn drop(&mut self) {
+                let stream_seq = self.0;
+                tracing::warn!(target: "inbox_examples", stream_seq, "last delivery let go");
+            }
+        }
+        let _let_go = LetGo(stream_seq);
+        tokio::time::sleep(self.hold).await;
+    }
+}
+
 /// Adds `msg.amount` to the account's balance in PostgreSQL, creating the account when new,
-/// and announces it ([`CreditApplied`]) through the outbox.
+/// and announces it ([`CreditApplied`]) through the outbox. (`delivery` only serves the
+/// test-only [`LastDeliveryHold`].)
 ///
 /// A credit that would take a balance below zero violates the `accounts` CHECK constraint: a
 /// genuine error that rolls back the marker (and the announcement) too, never a duplicate.
@@ -75,8 +127,10 @@ impl<DB: InboxBackend> Announce<DB> {
 pub async fn credit_postgres(
     msg: CreditRequested,
     tx: &mut Tx<Postgres>,
-    events: &Announce<Postgres>,
+    state: &CreditState<Postgres>,
+    delivery: &Delivery,
 ) -> Result<(), sqlx::Error> {
+    state.last_delivery_hold.on(delivery).await;
     sqlx::query(
         "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
          ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
@@ -85,7 +139,7 @@ pub async fn credit_postgres(
     .bind(msg.amount)
     .execute(&mut **tx)
     .await?;
-    events.applied(tx, &msg).await
+    state.events.applied(tx, &msg).await
 }
 
 /// [`credit_postgres`] for MySQL and MariaDB.
@@ -93,8 +147,10 @@ pub async fn credit_postgres(
 pub async fn credit_mysql(
     msg: CreditRequested,
     tx: &mut Tx<MySql>,
-    events: &Announce<MySql>,
+    state: &CreditState<MySql>,
+    delivery: &Delivery,
 ) -> Result<(), sqlx::Error> {
+    state.last_delivery_hold.on(delivery).await;
     sqlx::query(
         "INSERT INTO accounts (id, balance) VALUES (?, ?) \
          ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)",
@@ -103,7 +159,7 @@ pub async fn credit_mysql(
     .bind(msg.amount)
     .execute(&mut **tx)
     .await?;
-    events.applied(tx, &msg).await
+    state.events.applied(tx, &msg).await
 }
 
 /// [`credit_postgres`] for SQLite.
@@ -111,8 +167,10 @@ pub async fn credit_mysql(
 pub async fn credit_sqlite(
     msg: CreditRequested,
     tx: &mut Tx<Sqlite>,
-    events: &Announce<Sqlite>,
+    state: &CreditState<Sqlite>,
+    delivery: &Delivery,
 ) -> Result<(), sqlx::Error> {
+    state.last_delivery_hold.on(delivery).await;
     sqlx::query(
         "INSERT INTO accounts (id, balance) VALUES (?1, ?2) \
          ON CONFLICT (id) DO UPDATE SET balance = balance + excluded.balance",
@@ -121,7 +179,7 @@ pub async fn credit_sqlite(
     .bind(msg.amount)
     .execute(&mut **tx)
     .await?;
-    events.applied(tx, &msg).await
+    state.events.applied(tx, &msg).await
 }
 
 /// Creates `accounts` in PostgreSQL when missing. Serialised by an advisory lock, since
@@ -201,6 +259,9 @@ pub struct Config {
     /// `CREDIT_TEST_RELAY_HOLD_MS` (tests only): how long the outbox relay waits between its
     /// PubAcks and marking the rows sent, so that a test can kill the process there.
     pub relay_hold: Duration,
+    /// `CREDIT_TEST_LAST_DELIVERY_HOLD_MS` (tests only): how long the handler waits on a
+    /// message's last delivery before its first statement (see [`LastDeliveryHold`]).
+    pub last_delivery_hold: Duration,
 }
 
 impl Config {
@@ -233,6 +294,11 @@ impl Config {
             },
             batch: count("CREDIT_BATCH", "1")? as usize,
             relay_hold: Duration::from_millis(env.number("CREDIT_TEST_RELAY_HOLD_MS", "0", 0)?),
+            last_delivery_hold: Duration::from_millis(env.number(
+                "CREDIT_TEST_LAST_DELIVERY_HOLD_MS",
+                "0",
+                0,
+            )?),
             metrics: observe::metrics_addr(&env)?,
         })
     }
@@ -261,6 +327,7 @@ impl std::fmt::Debug for Config {
             .field("ack_mode", &self.ack_mode)
             .field("batch", &self.batch)
             .field("relay_hold", &self.relay_hold)
+            .field("last_delivery_hold", &self.last_delivery_hold)
             .field("metrics", &self.metrics)
             .finish()
     }
@@ -285,10 +352,14 @@ impl Config {
 /// database being down at start is waited out (capped backoff, one log line per attempt).
 pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, Error> {
     let spec = config.consumer_spec();
-    let Some((jetstream, _, stream)) =
+    let Some((jetstream, consumer, stream)) =
         until_up("NATS", &shutdown, || jetstream_consumer(&spec)).await?
     else {
         return Ok(Stats::default());
+    };
+    let last_delivery_hold = LastDeliveryHold {
+        hold: config.last_delivery_hold,
+        max_deliver: consumer.cached_info().config.max_deliver,
     };
     let replicas = stream.cached_info().config.num_replicas;
     let events = || events_stream(&jetstream, config, replicas);
@@ -314,6 +385,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
         durable: &config.durable,
         events: (&config.events_stream, &config.events_subject),
         relay_hold: config.relay_hold,
+        last_delivery_hold,
         metrics: config.metrics,
         stream: &stream,
         shutdown: shutdown.clone(),
@@ -361,6 +433,8 @@ struct Serve<'a> {
     events: (&'a str, &'a str),
     /// `CREDIT_TEST_RELAY_HOLD_MS`.
     relay_hold: Duration,
+    /// `CREDIT_TEST_LAST_DELIVERY_HOLD_MS`, with the consumer's `max_deliver`.
+    last_delivery_hold: LastDeliveryHold,
     /// `METRICS_ADDR`.
     metrics: Option<std::net::SocketAddr>,
     stream: &'a stream::Stream,
@@ -371,7 +445,7 @@ struct Serve<'a> {
 impl<C, H> Example<(C, H)> for Serve<'_>
 where
     C: AsyncFn(&Pool<H::Db>) -> Result<(), sqlx::Error>,
-    H: Handler<State = Announce<<H as Handler>::Db>>,
+    H: Handler<State = CreditState<<H as Handler>::Db>>,
 {
     type Db = H::Db;
     type Output = Stats;
@@ -388,9 +462,12 @@ where
         let outbox = Outbox::new(inbox.pool().clone());
         outbox.migrate().await?;
         let (events_stream, events_subject) = self.events;
-        let announce = Announce {
-            outbox: outbox.clone(),
-            subject: events_subject.to_owned(),
+        let state = CreditState {
+            events: Announce {
+                outbox: outbox.clone(),
+                subject: events_subject.to_owned(),
+            },
+            last_delivery_hold: self.last_delivery_hold,
         };
         let durable = Durable::existing(&self.stream.cached_info().config.name, self.durable);
         let (stream, batch, ack_mode) = (self.stream.clone(), self.batch, self.ack_mode);
@@ -420,7 +497,7 @@ where
         }
         let app = App::new(inbox, &self.jetstream)
             .pull_connections(self.nats.pulls())
-            .handler_configured(handler, announce, durable, configure)
+            .handler_configured(handler, state, durable, configure)
             .relay(relay);
         if let Some(addr) = self.metrics {
             observe::serve(addr, app.health()).await?;
@@ -447,6 +524,9 @@ mod config_tests {
     fn defaults_and_bad_values_named() {
         let c = config(&[]).unwrap();
         assert_eq!((c.concurrency, c.batch, c.ack_mode), (8, 1, None));
+        assert_eq!(c.last_delivery_hold, Duration::ZERO);
+        let c = config(&[("CREDIT_TEST_LAST_DELIVERY_HOLD_MS", "2500")]).unwrap();
+        assert_eq!(c.last_delivery_hold, Duration::from_millis(2500));
         let c = config(&[("CREDIT_BATCH", "64"), ("CREDIT_ACK", "double")]).unwrap();
         assert_eq!((c.batch, c.ack_mode), (64, Some(AckMode::Double)));
         for (name, value) in [
@@ -454,9 +534,45 @@ mod config_tests {
             ("CREDIT_CONCURRENCY", "0"),
             ("CREDIT_BATCH", "-1"),
             ("CREDIT_ACK", "twice"),
+            ("CREDIT_TEST_LAST_DELIVERY_HOLD_MS", "soon"),
         ] {
             let e = config(&[(name, value)]).unwrap_err();
             assert!(e.contains(name) && e.contains(value), "{e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod hold_tests {
+    use super::*;
+
+    /// Whether `hold.on` for a delivery numbered `delivered` is still waiting after 50 ms.
+    async fn holds(hold: LastDeliveryHold, delivered: i64) -> bool {
+        let delivery = Delivery::new("s")
+            .with_stream("S", 7)
+            .with_delivered(delivered);
+        tokio::time::timeout(Duration::from_millis(50), hold.on(&delivery))
+            .await
+            .is_err()
+    }
+
+    #[tokio::test]
+    async fn only_a_last_delivery_is_held() {
+        let hold = LastDeliveryHold {
+            hold: Duration::from_secs(3600),
+            max_deliver: 3,
+        };
+        assert!(!holds(hold, 1).await);
+        assert!(!holds(hold, 2).await);
+        assert!(holds(hold, 3).await);
+        assert!(
+            holds(hold, 4).await,
+            "past max_deliver (lowered since) is last too"
+        );
+        let off = LastDeliveryHold {
+            hold: Duration::ZERO,
+            ..hold
+        };
+        assert!(!holds(off, 3).await);
     }
 }

@@ -269,9 +269,122 @@ impl CreditProcess {
     }
 }
 
+/// What a `credit` process run with `CREDIT_TEST_LAST_DELIVERY_HOLD_MS` holds on its last
+/// delivery right now, read from its log as it grows: the stream sequences between its `last
+/// delivery held ... stream_seq=N` and `last delivery let go ... stream_seq=N` lines (WARN, so
+/// that they show at `RUST_LOG=warn`).
+#[derive(Debug)]
+pub struct LastDeliveryHolds {
+    log: PathBuf,
+    /// How far the log has been read.
+    read: u64,
+    /// The end of the log after its last newline, not yet a whole line.
+    partial: Vec<u8>,
+    held: std::collections::BTreeSet<u64>,
+}
+
+/// The line `credit` logs when it begins holding a last delivery.
+const HELD: &str = "last delivery held";
+/// The line it logs when the hold ends.
+const LET_GO: &str = "last delivery let go";
+
+impl LastDeliveryHolds {
+    /// Follows `log` from its current end: what it already holds is an earlier process's.
+    pub fn new(log: &Path) -> LastDeliveryHolds {
+        let read = std::fs::metadata(log).map_or(0, |m| m.len());
+        LastDeliveryHolds {
+            log: log.to_owned(),
+            read,
+            partial: Vec::new(),
+            held: Default::default(),
+        }
+    }
+
+    /// The stream sequences held now, after reading what the log gained since the last look.
+    pub fn held(&mut self) -> Result<&std::collections::BTreeSet<u64>, String> {
+        use std::io::{Read, Seek, SeekFrom};
+        let mut file = match std::fs::File::open(&self.log) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(&self.held),
+            Err(e) => return Err(format!("log {}: {e}", self.log.display())),
+        };
+        let mut grown = Vec::new();
+        file.seek(SeekFrom::Start(self.read))
+            .and_then(|_| file.read_to_end(&mut grown))
+            .map_err(|e| format!("log {}: {e}", self.log.display()))?;
+        self.read += grown.len() as u64;
+        self.partial.extend_from_slice(&grown);
+        let Some(end) = self.partial.iter().rposition(|&b| b == b'\n') else {
+            return Ok(&self.held);
+        };
+        let lines: Vec<u8> = self.partial.drain(..=end).collect();
+        for line in String::from_utf8_lossy(&lines).lines() {
+            self.apply(line);
+        }
+        Ok(&self.held)
+    }
+
+    /// Forgets everything held and skips what the log holds now: after the process was killed
+    /// (and reaped), before the next one appends to the same log.
+    pub fn restart(&mut self) {
+        *self = LastDeliveryHolds::new(&self.log);
+    }
+
+    /// Takes one whole line of the log into account.
+    fn apply(&mut self, line: &str) {
+        let seq = || {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix("stream_seq=")?.parse::<u64>().ok())
+        };
+        if line.contains(HELD) {
+            self.held.extend(seq());
+        } else if line.contains(LET_GO)
+            && let Some(seq) = seq()
+        {
+            self.held.remove(&seq);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::Summary;
+    use super::{LastDeliveryHolds, Summary};
+    use std::io::Write;
+
+    #[test]
+    fn holds_are_followed_through_the_log_and_forgotten_at_a_restart() {
+        // As `credit` logs them (tracing's fmt, no colours).
+        const WARN: &str = "2025-01-01T00:00:00.000000Z  WARN inbox_examples:";
+        let held = |seq: u64| {
+            format!(
+                "{WARN} last delivery held (CREDIT_TEST_LAST_DELIVERY_HOLD_MS) stream_seq={seq} \
+                 delivered=3 hold=1s\n"
+            )
+        };
+        let let_go = |seq: u64| format!("{WARN} last delivery let go stream_seq={seq}\n");
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("credit.log");
+        let mut log = std::fs::File::create(&path).unwrap();
+        write!(log, "{}", held(1)).unwrap();
+        let mut holds = LastDeliveryHolds::new(&path);
+        assert!(holds.held().unwrap().is_empty(), "an earlier process's");
+        write!(log, "{}{}", held(7), held(9)).unwrap();
+        let now = |h: &mut LastDeliveryHolds| h.held().unwrap().iter().copied().collect::<Vec<_>>();
+        assert_eq!(now(&mut holds), [7, 9]);
+        // Half a line counts once it is whole.
+        let line = let_go(7);
+        let (head, tail) = line.split_at(20);
+        write!(log, "{head}").unwrap();
+        assert_eq!(now(&mut holds), [7, 9]);
+        write!(log, "{tail}").unwrap();
+        assert_eq!(now(&mut holds), [9]);
+        holds.restart();
+        assert!(holds.held().unwrap().is_empty());
+        write!(log, "{}", held(11)).unwrap();
+        assert_eq!(now(&mut holds), [11]);
+        let mut missing = LastDeliveryHolds::new(&dir.path().join("not yet"));
+        assert!(missing.held().unwrap().is_empty());
+    }
 
     #[test]
     fn the_last_summary_line_counts() {

@@ -3,10 +3,13 @@
 //!
 //! - [`PrivateNats`]: a `nats-server` of one's own (free port, temporary store) to kill and
 //!   restart; [`connect`], [`publish_and_wait`] (or [`publish_acked`], keeping every PubAck),
-//!   [`backlog`] for the JetStream side; [`PrivateCluster`], three of them routed into one
-//!   JetStream cluster;
+//!   [`backlog`] for the JetStream side; [`publish_raw`], [`publish_raw_lines`] and
+//!   [`publish_raw_acked`] over the wire protocol itself (header blocks no client library would
+//!   write); [`PrivateCluster`], three of them routed into one JetStream cluster;
 //! - [`CreditProcess`]: the `credit` binary as a child process, stopped with SIGTERM or SIGKILL,
 //!   paused with SIGSTOP and resumed with SIGCONT, its summary line parsed into a [`Summary`];
+//!   [`LastDeliveryHolds`]: what it holds on a last delivery, read from its log
+//!   (`CREDIT_TEST_LAST_DELIVERY_HOLD_MS`);
 //! - [`Database`]: a fresh PostgreSQL or MariaDB database or SQLite file, whose connections can
 //!   be cut, removed when dropped;
 //! - [`PrivatePostgres`]: a PostgreSQL of one's own (over TLS only, or in clear), and
@@ -31,11 +34,11 @@ mod sink;
 mod wait;
 
 pub use cluster::PrivateCluster;
-pub use credit::{CreditConfig, CreditProcess, EmailConfig, Summary, terminate};
+pub use credit::{CreditConfig, CreditProcess, EmailConfig, LastDeliveryHolds, Summary, terminate};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
-    publish_acked, publish_and_wait, publish_raw, publish_raw_lines,
+    publish_acked, publish_and_wait, publish_raw, publish_raw_acked, publish_raw_lines,
 };
 pub use pg::{PrimaryStandby, PrivatePostgres, Replication};
 pub use proxy::TcpProxy;

@@ -312,6 +312,10 @@ pub async fn backlog(
     })
 }
 
+/// What a raw connection says first: headers on, no `+OK` after every command.
+const CONNECT: &str =
+    "CONNECT {\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}\r\n";
+
 /// Publishes `payload` to `subject` with `headers` over the NATS wire protocol itself (`HPUB`),
 /// as a producer in another language writes it: header names exactly as given (nats-py sends its
 /// dict's keys as written, Go's `nats.Header` canonicalises them, the `nats` CLI passes what it
@@ -339,51 +343,143 @@ pub async fn publish_raw_lines(
     lines: &[Vec<u8>],
     payload: &[u8],
 ) -> Result<(), String> {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-    let address = url.trim_start_matches("nats://");
-    let stream = tokio::net::TcpStream::connect(address)
-        .await
-        .map_err(|e| format!("NATS at {address} is not reachable: {e}"))?;
-    let mut reader = BufReader::new(stream);
-    let mut line = String::new();
-    reader
-        .read_line(&mut line)
-        .await
-        .map_err(|e| format!("NATS INFO: {e}"))?;
-    if !line.starts_with("INFO ") {
-        return Err(format!("NATS at {address} sent {line:?} instead of INFO"));
-    }
-    let mut head = b"NATS/1.0\r\n".to_vec();
-    for l in lines {
-        head.extend_from_slice(l);
-        head.extend_from_slice(b"\r\n");
-    }
-    head.extend_from_slice(b"\r\n");
-    let mut frame = format!(
-        "CONNECT {{\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}}\r\nHPUB {subject} {} {}\r\n",
-        head.len(),
-        head.len() + payload.len()
-    )
-    .into_bytes();
-    frame.extend_from_slice(&head);
-    frame.extend_from_slice(payload);
-    frame.extend_from_slice(b"\r\nPING\r\n");
-    reader
-        .get_mut()
-        .write_all(&frame)
-        .await
-        .map_err(|e| format!("NATS HPUB: {e}"))?;
+    let mut conn = RawConnection::open(url).await?;
+    let mut frame = CONNECT.as_bytes().to_vec();
+    frame.extend(hpub(subject, None, lines, payload));
+    frame.extend_from_slice(b"PING\r\n");
+    conn.send(&frame).await?;
     loop {
-        line.clear();
-        let n = reader
-            .read_line(&mut line)
-            .await
-            .map_err(|e| format!("NATS PONG: {e}"))?;
-        match line.trim_end() {
-            _ if n == 0 => return Err("NATS closed the connection before PONG".into()),
+        match conn.line().await?.as_str() {
             "PONG" => return Ok(()),
             l if l.starts_with("-ERR") => return Err(format!("NATS refused the HPUB: {l}")),
             _ => {}
         }
+    }
+}
+
+/// [`publish_raw_lines`] to a stream's subject, returning the stream sequence from JetStream's
+/// PubAck.
+pub async fn publish_raw_acked(
+    url: &str,
+    subject: &str,
+    lines: &[Vec<u8>],
+    payload: &[u8],
+) -> Result<u64, String> {
+    let inbox = format!("_INBOX.raw.{}", uuid::Uuid::new_v4().simple());
+    let mut conn = RawConnection::open(url).await?;
+    let mut frame = format!("{CONNECT}SUB {inbox} 1\r\n").into_bytes();
+    frame.extend(hpub(subject, Some(&inbox), lines, payload));
+    frame.extend_from_slice(b"PING\r\n");
+    conn.send(&frame).await?;
+    let ack = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let line = conn.line().await?;
+            match line.split_whitespace().collect::<Vec<_>>()[..] {
+                ["MSG", _, "1", size] | ["MSG", _, "1", _, size] => {
+                    let size: usize = size.parse().map_err(|_| format!("NATS sent {line:?}"))?;
+                    return conn.exact(size).await;
+                }
+                ["PING"] => conn.send(b"PONG\r\n").await?,
+                [l, ..] if l.starts_with("-ERR") => {
+                    return Err(format!("NATS refused the HPUB: {line}"));
+                }
+                _ => {}
+            }
+        }
+    })
+    .await
+    .map_err(|_| format!("no PubAck within 10 s for the raw publish to {subject}"))??;
+    let ack: serde_json::Value = serde_json::from_slice(&ack)
+        .map_err(|e| format!("PubAck {:?}: {e}", String::from_utf8_lossy(&ack)))?;
+    ack["seq"]
+        .as_u64()
+        .filter(|_| ack.get("error").is_none())
+        .ok_or_else(|| format!("JetStream did not store the raw publish to {subject}: {ack}"))
+}
+
+/// `HPUB <subject> [<reply>] <header bytes> <total bytes>`, the header block (`NATS/1.0`, each
+/// line, a blank line) and the payload.
+fn hpub(subject: &str, reply: Option<&str>, lines: &[Vec<u8>], payload: &[u8]) -> Vec<u8> {
+    let mut head = b"NATS/1.0\r\n".to_vec();
+    for line in lines {
+        head.extend_from_slice(line);
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    let reply = reply.map_or(String::new(), |r| format!("{r} "));
+    let mut frame = format!(
+        "HPUB {subject} {reply}{} {}\r\n",
+        head.len(),
+        head.len() + payload.len()
+    )
+    .into_bytes();
+    frame.extend(head);
+    frame.extend_from_slice(payload);
+    frame.extend_from_slice(b"\r\n");
+    frame
+}
+
+/// A NATS connection spoken by hand: the server's `INFO` read, then lines and payloads.
+struct RawConnection {
+    reader: tokio::io::BufReader<tokio::net::TcpStream>,
+    address: String,
+}
+
+impl RawConnection {
+    /// Connects to `url` (`nats://host:port`) and reads the server's `INFO`.
+    async fn open(url: &str) -> Result<RawConnection, String> {
+        let address = url.trim_start_matches("nats://").to_owned();
+        let stream = tokio::net::TcpStream::connect(&address)
+            .await
+            .map_err(|e| format!("NATS at {address} is not reachable: {e}"))?;
+        let mut conn = RawConnection {
+            reader: tokio::io::BufReader::new(stream),
+            address,
+        };
+        let info = conn.line().await?;
+        if !info.starts_with("INFO ") {
+            return Err(format!(
+                "NATS at {} sent {info:?} instead of INFO",
+                conn.address
+            ));
+        }
+        Ok(conn)
+    }
+
+    /// Writes `bytes`.
+    async fn send(&mut self, bytes: &[u8]) -> Result<(), String> {
+        use tokio::io::AsyncWriteExt;
+        self.reader
+            .get_mut()
+            .write_all(bytes)
+            .await
+            .map_err(|e| format!("NATS at {}: {e}", self.address))
+    }
+
+    /// The next line the server sends, without its CRLF.
+    async fn line(&mut self) -> Result<String, String> {
+        use tokio::io::AsyncBufReadExt;
+        let mut line = String::new();
+        let n = self
+            .reader
+            .read_line(&mut line)
+            .await
+            .map_err(|e| format!("NATS at {}: {e}", self.address))?;
+        if n == 0 {
+            return Err(format!("NATS at {} closed the connection", self.address));
+        }
+        Ok(line.trim_end().to_owned())
+    }
+
+    /// The next `size` bytes (a message's payload) and the CRLF after them.
+    async fn exact(&mut self, size: usize) -> Result<Vec<u8>, String> {
+        use tokio::io::AsyncReadExt;
+        let mut payload = vec![0; size + 2];
+        self.reader
+            .read_exact(&mut payload)
+            .await
+            .map_err(|e| format!("NATS at {}: {e}", self.address))?;
+        payload.truncate(size);
+        Ok(payload)
     }
 }

@@ -1,8 +1,10 @@
-//! The audit of a credit run, message by message: every request id applied exactly once (its
-//! account's balance is 1 and its marker is committed) and announced once; every other message
-//! dead-lettered exactly once (one letter names its stream sequence and carries its payload, and
-//! an unopened account's letter says it came at delivery `max_deliver`); and nothing else in the
-//! database, the dead-letter stream or the announcements.
+//! The audit of a credit run, message by message: every sequence the stream assigned ends applied
+//! (its request's marker is committed) or dead-lettered, none neither; every request id applied
+//! exactly once (its account's balance is 1 and its marker is committed) and announced once;
+//! every other message dead-lettered exactly once (one letter names its stream sequence and
+//! carries its payload; an unopened account's letter says it came at delivery `max_deliver`; an
+//! unreadable message's carries its header lines); and nothing else in the database, the
+//! dead-letter stream or the announcements.
 
 use super::observe::{Letter, Observed};
 use super::publish::{Kind, Published};
@@ -18,7 +20,7 @@ const EXAMPLES: usize = 5;
 /// A way a message can end wrong.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Problem {
-    /// A request neither applied nor dead-lettered.
+    /// A stream sequence neither applied nor dead-lettered (or one chaos never published).
     Lost,
     /// A request applied more than once.
     AppliedTwice,
@@ -32,14 +34,14 @@ pub enum Problem {
     OpenMarker,
     /// A valid request dead-lettered.
     DeadLetteredRequest,
-    /// A message to reject that has no letter.
-    NotDeadLettered,
     /// A message with more than one letter.
     DeadLetteredTwice,
     /// A message to reject whose marker or effect is there.
     AppliedRejected,
     /// An unopened account's credit dead-lettered before its `max_deliver`-th delivery.
     BeforeMaxDeliver,
+    /// An unreadable message's letter without its header lines in `Inbox-Unreadable-Headers`.
+    HeadersDropped,
     /// A letter that matches no published message, or not the one it names.
     StrayLetter,
     /// A marker or an account that no published message explains.
@@ -59,17 +61,17 @@ impl Problem {
     /// What it says in the findings.
     fn describe(self) -> &'static str {
         match self {
-            Problem::Lost => "lost: neither applied nor dead-lettered",
+            Problem::Lost => "lost: stream sequence neither applied nor dead-lettered",
             Problem::AppliedTwice => "applied twice (balance 2 or more)",
             Problem::MarkerWithoutEffect => "marker committed, effect missing",
             Problem::EffectWithoutMarker => "effect applied, marker missing",
             Problem::WrongBalance => "balance neither 1 nor more",
             Problem::OpenMarker => "marker without processed_at",
             Problem::DeadLetteredRequest => "dead-lettered, expected applied",
-            Problem::NotDeadLettered => "not dead-lettered, expected one letter",
             Problem::DeadLetteredTwice => "dead-lettered more than once",
             Problem::AppliedRejected => "applied, expected dead-lettered",
             Problem::BeforeMaxDeliver => "dead-lettered before max_deliver",
+            Problem::HeadersDropped => "letter without the unreadable header lines",
             Problem::StrayLetter => "letter matching no published message",
             Problem::StrayRow => "marker or account no message explains",
             Problem::NotAnnounced => "applied, but no event announces it",
@@ -87,6 +89,8 @@ pub struct Findings {
     pub applied_once: usize,
     /// Messages to reject with exactly one letter.
     pub dead_once: usize,
+    /// Letters the delivery-limit backstop wrote.
+    pub by_backstop: usize,
     /// Applied requests announced by exactly one event.
     pub announced_once: usize,
     /// Every problem, with the messages (labels) it concerns.
@@ -104,7 +108,8 @@ impl Findings {
         self.problems.get(&problem).map_or(0, Vec::len)
     }
 
-    /// Messages lost, applied twice, and with any other problem: the report tables' columns.
+    /// Stream sequences lost, requests applied twice, and messages with any other problem: the
+    /// report tables' columns.
     pub fn tally(&self) -> (usize, usize, usize) {
         let (lost, twice) = (self.count(Problem::Lost), self.count(Problem::AppliedTwice));
         let all: usize = self.problems.values().map(Vec::len).sum();
@@ -147,6 +152,23 @@ fn audit(published: &Published, seen: &Observed) -> Findings {
         }
     }
     let letters_of = |seq: &u64| letters.get(seq).map_or(&[][..], Vec::as_slice);
+    f.by_backstop = seen.letters.iter().filter(|l| l.by_backstop()).count();
+
+    // Every sequence the stream assigned: applied (its key's marker committed; an effect without
+    // its marker is reported below, as torn) or dead-lettered.
+    let last = published.by_seq.keys().copied().max().unwrap_or(0);
+    for seq in 1..=seen.stream_last_seq.max(last) {
+        match published.by_seq.get(&seq) {
+            None => f.add(Problem::Lost, format!("seq {seq} (not published by chaos)")),
+            Some(sent) => {
+                let applied = sent.key.as_ref().is_some_and(|k| seen.markers.contains(k))
+                    || sent.account.is_some_and(|a| seen.balances.contains_key(&a));
+                if !applied && letters_of(&seq).is_empty() {
+                    f.add(Problem::Lost, format!("{} (seq {seq})", sent.label));
+                }
+            }
+        }
+    }
 
     // Requests, by id: both copies share the id and the account.
     let mut requests: BTreeMap<&str, (Option<i64>, Vec<u64>)> = BTreeMap::new();
@@ -167,7 +189,7 @@ fn audit(published: &Published, seen: &Observed) -> Findings {
         match (marker, account.and_then(|a| seen.balances.get(&a).copied())) {
             (_, Some(b)) if b >= 2 => f.add(Problem::AppliedTwice, format!("{id} (balance {b})")),
             (true, Some(1)) => f.applied_once += 1,
-            (false, None) if lettered == 0 => f.add(Problem::Lost, *id),
+            // Lost or dead-lettered: reported by sequence above.
             (false, None) => {}
             (true, None) => f.add(Problem::MarkerWithoutEffect, *id),
             (false, Some(1)) => f.add(Problem::EffectWithoutMarker, *id),
@@ -187,13 +209,21 @@ fn audit(published: &Published, seen: &Observed) -> Findings {
             f.add(Problem::AppliedRejected, &sent.label);
         }
         match got.len() {
-            0 if !applied => f.add(Problem::NotDeadLettered, &sent.label),
+            // Lost or applied: reported above.
             0 => {}
             1 => f.dead_once += 1,
             n => f.add(
                 Problem::DeadLetteredTwice,
                 format!("{} ({n} letters)", sent.label),
             ),
+        }
+        if sent.kind == Kind::Unreadable {
+            for letter in got.iter().filter(|l| !l.carries(&sent.raw_headers)) {
+                f.add(
+                    Problem::HeadersDropped,
+                    format!("{} (letter #{})", sent.label, letter.dlq_seq),
+                );
+            }
         }
         if sent.kind == Kind::Unopened {
             let max = MAX_DELIVER.to_string();

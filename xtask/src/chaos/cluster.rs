@@ -166,7 +166,7 @@ async fn run_on(
     let result = async {
         let js = jetstream::new(cluster.connect().await?);
         create_accounts(backend, &pool, n).await?;
-        let published = publish(&js, n, &run, 3).await?;
+        let published = publish(&js, n, &run, 3, None).await?;
         lift_outage(&js).await?;
         let logs = |k: usize| logs.join(format!("cluster-{}-{run}-{k}.log", backend.name()));
         let (kills, skipped) =

@@ -2,37 +2,45 @@
 //!
 //! **Publish**, on a private nats-server: N credit requests each published twice (once with
 //! `Nats-Msg-Id`, once without); a few to be dead-lettered at once, poison payloads (each a
-//! non-JSON text of its own) and overdraws (a CHECK violation); and, last in the stream, a few
-//! credits to accounts never opened (a foreign-key violation), which the runtime redelivers with a
-//! delay until `max_deliver` and then dead-letters. Every message's stream sequence is kept from
-//! its PubAck. `credit`'s own schema has no payload that fails that way (its one upsert fails
-//! only with a CHECK violation or a data error, both dead-lettered at once, or transiently), so
-//! chaos creates `accounts` itself, as `credit` would plus a foreign key to `open_accounts`.
+//! non-JSON text of its own) and overdraws (a CHECK violation); three valid requests published
+//! over a raw connection with a header block async-nats cannot parse (a non-ASCII byte in a
+//! name, a value that is not UTF-8, a control byte in a name), which no worker ever sees and the
+//! delivery-limit backstop dead-letters; and, last in the stream, a few credits to accounts never
+//! opened (a foreign-key violation), which the runtime redelivers with a delay until
+//! `max_deliver` and then dead-letters. Every message's stream sequence is kept from its PubAck.
+//! `credit`'s own schema has no payload that fails that way (its one upsert fails only with a
+//! CHECK violation or a data error, both dead-lettered at once, or transiently), so chaos creates
+//! `accounts` itself, as `credit` would plus a foreign key to `open_accounts`.
 //!
 //! **Supervise**: three `credit` processes work through the [`Faults`]: one of them is SIGKILLed
 //! and restarted every two seconds; one is frozen with SIGSTOP for twice `ack_wait` (what it holds
 //! is redelivered to the others while its transactions stay open) and then let go with SIGCONT;
-//! the nats-server is killed and restarted once; every database connection is cut once; and the
-//! dead-letter stream rejects every letter, from the start until a letter has been rejected on
-//! its message's last delivery (earlier ones are nak'd and tried again; that one must be parked
-//! and relayed later).
+//! the nats-server is killed and restarted once; every database connection is cut once; the
+//! dead-letter stream rejects every letter, from the start until a worker's letter has been
+//! rejected on its message's last delivery (earlier ones are nak'd and tried again; that one must
+//! be parked and relayed later); and then, up to three times, a process is SIGKILLed while it
+//! holds a message on its last delivery. The processes hold every last delivery for
+//! [`LAST_DELIVERY_HOLD`] before their first statement (`CREDIT_TEST_LAST_DELIVERY_HOLD_MS`,
+//! seen in their logs): the unopened credits and the overdraws and poisons whose letters the
+//! outage rejected all reach that delivery. JetStream never delivers such a message again, so
+//! only the delivery-limit backstop (its `MAX_DELIVERIES` advisory) can dead-letter it.
 //!
-//! **Verify**, once the consumer has drained, message by message: every request id applied
-//! exactly once (its account's balance is 1 and its marker is committed); every other message
-//! dead-lettered exactly once (one letter names its stream sequence and carries its payload, and
-//! an unopened account's letter says it came at delivery `max_deliver`); and nothing else in the
-//! database or the dead-letter stream. A query that fails fails the run: nothing counts as 0.
+//! **Verify**, once the consumer has drained, message by message: every sequence of the stream
+//! applied or dead-lettered, none neither; every request id applied exactly once (its account's
+//! balance is 1 and its marker is committed); every other message dead-lettered exactly once
+//! (one letter names its stream sequence and carries its payload, an unopened account's letter
+//! says it came at delivery `max_deliver`, an unreadable message's carries its header lines); and
+//! nothing else in the database or the dead-letter stream. A query that fails fails the run:
+//! nothing counts as 0.
 //!
-//! Crashes stop once every message has been handed out, and the unopened credits come last, so
-//! that their last delivery falls after the crash faults: JetStream never redelivers a message
-//! after its `max_deliver`-th delivery, so a process that dies during that delivery (or a
-//! nats-server that restarts, or a dead-letter stream that rejects its letter then) leaves the
-//! message neither applied nor dead-lettered, whatever the runtime does.
+//! The random kills stop once every message has been handed out; from then on a process dies
+//! only on purpose, holding a last delivery.
 
 use super::audit::Audited;
 use super::db::{applied, audit_pool};
 use super::faults::{
-    DbCut, Faults, KILL_EVERY, LetterWatch, OUTAGE_AT_MOST, Outage, PAUSE_FOR, Pause,
+    DbCut, Faults, KILL_EVERY, LAST_DELIVERY_HOLD, LAST_DELIVERY_KILLS, LastDeliveryKills,
+    LetterWatch, OUTAGE_AT_MOST, Outage, PAUSE_FOR, Pause,
 };
 use super::observe::observe;
 use super::publish::{create_accounts, publish};
@@ -42,9 +50,11 @@ use super::streams::{
 };
 use async_nats::jetstream;
 use inbox_testkit::{
-    Backend, CreditConfig, CreditProcess, Database, Poll, PrivateNats, backlog, unique,
+    Backend, CreditConfig, CreditProcess, Database, LastDeliveryHolds, Poll, PrivateNats, backlog,
+    unique,
 };
 use sqlx::AnyPool;
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -73,7 +83,7 @@ pub async fn run(
         let client = inbox_testkit::connect(&nats.url).await?;
         let js = jetstream::new(client.clone());
         create_accounts(backend, &pool, n).await?;
-        let published = publish(&js, n, &run, 1).await?;
+        let published = publish(&js, n, &run, 1, Some(&nats.url)).await?;
         let logs = |k: usize| logs.join(format!("{}-{run}-{k}.log", backend.name()));
         let watch = LetterWatch::start(&client).await?;
         let (faults, skipped) = supervise(
@@ -134,9 +144,7 @@ async fn supervise(
     watch: LetterWatch,
     letters_expected: u64,
 ) -> Result<(Faults, u64), String> {
-    let spawn = |k: usize| CreditProcess::spawn(config, Some(&log(k)));
-    let mut children: Vec<CreditProcess> = (0..INSTANCES).map(spawn).collect::<Result<_, _>>()?;
-    let mut started: Vec<Instant> = vec![Instant::now(); INSTANCES];
+    let mut fleet = Fleet::start(config, &log)?;
     let deadline = Duration::from_secs(300) + Duration::from_millis(20 * n as u64);
     let mut poll = Poll::new(
         "every fault to be done and the consumer to be drained",
@@ -144,6 +152,7 @@ async fn supervise(
     );
     let mut faults = Faults {
         kills: 0,
+        at_last: LastDeliveryKills::default(),
         pause: Pause::Pending,
         nats_restarted: false,
         db_cut: DbCut::Pending,
@@ -219,20 +228,36 @@ async fn supervise(
             } else {
                 pick
             };
-            children[k].kill().await?;
-            children[k] = spawn(k)?;
-            started[k] = Instant::now();
-            faults.kills += 1;
+            let held = fleet.kill(k).await?;
+            faults.count_kill(&held);
             last_kill = Instant::now();
+        }
+
+        // Once the outage has taken its parked letter: a process seen holding a last delivery is
+        // killed there, up to LAST_DELIVERY_KILLS times (never the frozen one).
+        if matches!(faults.outage, Outage::Lifted { .. })
+            && faults.at_last.kills < LAST_DELIVERY_KILLS
+        {
+            for k in (0..INSTANCES).filter(|&k| Some(k) != frozen) {
+                if fleet.holds[k].held()?.is_empty() {
+                    continue;
+                }
+                let held = fleet.kill(k).await?;
+                println!(
+                    "  killed credit #{k} holding {held:?} on their last delivery ({applied} applied)"
+                );
+                faults.count_kill(&held);
+                break;
+            }
         }
 
         match faults.pause {
             // The process that has run longest: it is the likeliest to hold messages.
             Pause::Pending if applied >= n / 2 => {
                 let k = (0..INSTANCES)
-                    .min_by_key(|&k| started[k])
+                    .min_by_key(|&k| fleet.started[k])
                     .expect("instances");
-                children[k].pause()?;
+                fleet.children[k].pause()?;
                 println!("  freezing credit #{k} (SIGSTOP) for {PAUSE_FOR:?} ({applied} applied)");
                 faults.pause = Pause::Frozen {
                     k,
@@ -240,7 +265,7 @@ async fn supervise(
                 };
             }
             Pause::Frozen { k, since } if since.elapsed() >= PAUSE_FOR => {
-                children[k].resume()?;
+                fleet.children[k].resume()?;
                 let held = since.elapsed();
                 println!(
                     "  letting credit #{k} go on (SIGCONT) after {:.1}s ({applied} applied)",
@@ -276,8 +301,59 @@ async fn supervise(
         println!("  {e}");
     }
     let mut skipped = 0;
-    for child in children {
+    for child in fleet.children {
         skipped += child.stop(Duration::from_secs(60)).await?.skipped;
     }
     Ok((faults, skipped))
+}
+
+/// The `credit` processes of a run, each holding every last delivery for [`LAST_DELIVERY_HOLD`],
+/// with what each holds there, read from its log.
+struct Fleet<'a> {
+    config: &'a CreditConfig,
+    log: &'a dyn Fn(usize) -> PathBuf,
+    children: Vec<CreditProcess>,
+    /// What each process holds on a last delivery.
+    holds: Vec<LastDeliveryHolds>,
+    /// When each was started.
+    started: Vec<Instant>,
+}
+
+impl<'a> Fleet<'a> {
+    /// Starts [`INSTANCES`] processes.
+    fn start(config: &'a CreditConfig, log: &'a dyn Fn(usize) -> PathBuf) -> Result<Self, String> {
+        let mut fleet = Fleet {
+            config,
+            log,
+            children: Vec::new(),
+            holds: Vec::new(),
+            started: Vec::new(),
+        };
+        for k in 0..INSTANCES {
+            fleet.holds.push(LastDeliveryHolds::new(&log(k)));
+            fleet.children.push(fleet.spawn(k)?);
+            fleet.started.push(Instant::now());
+        }
+        Ok(fleet)
+    }
+
+    /// Starts process `k`, its log appended to `log(k)`.
+    fn spawn(&self, k: usize) -> Result<CreditProcess, String> {
+        let mut env = self.config.env();
+        let hold = LAST_DELIVERY_HOLD.as_millis().to_string();
+        env.push(("CREDIT_TEST_LAST_DELIVERY_HOLD_MS", hold));
+        CreditProcess::spawn_with("credit", &self.config.binary, &env, Some(&(self.log)(k)))
+    }
+
+    /// SIGKILLs process `k` and starts another in its place; returns the stream sequences it held
+    /// on their last delivery when it died (its log read to the end once it was reaped).
+    async fn kill(&mut self, k: usize) -> Result<BTreeSet<u64>, String> {
+        self.children[k].kill().await?;
+        let held = self.holds[k].held()?.clone();
+        // The next process appends to the same log.
+        self.holds[k].restart();
+        self.children[k] = self.spawn(k)?;
+        self.started[k] = Instant::now();
+        Ok(held)
+    }
 }

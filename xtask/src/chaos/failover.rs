@@ -145,7 +145,7 @@ async fn failover(
     let client = inbox_testkit::connect(&nats.url).await?;
     let js = jetstream::new(client);
     create_accounts(Backend::Postgres, &pool, n).await?;
-    let published = publish(&js, n, &run, 1).await?;
+    let published = publish(&js, n, &run, 1, None).await?;
     lift_outage(&js).await?;
 
     let config = credit_config(credit, nats.url.clone(), url);

@@ -1,13 +1,15 @@
 //! The faults the single-server credit run goes through, and what each came to: a `credit`
 //! process SIGKILLed every two seconds; one frozen with SIGSTOP for twice `ack_wait` (what it
 //! holds is redelivered to the others while its transactions stay open) and then let go; the
-//! nats-server killed and restarted once; every database connection cut once; and the
-//! dead-letter stream rejecting every letter until a letter has been rejected on its message's
-//! last delivery, which [`LetterWatch`] sees on the wire.
+//! nats-server killed and restarted once; every database connection cut once; the dead-letter
+//! stream rejecting every letter until a worker's letter has been rejected on its message's last
+//! delivery, which [`LetterWatch`] sees on the wire; and processes SIGKILLed while they hold a
+//! message on its last delivery (`CREDIT_TEST_LAST_DELIVERY_HOLD_MS`), which only the
+//! delivery-limit backstop can dead-letter.
 
-use super::streams::{DLQ_SUBJECT, MAX_DELIVER};
+use super::streams::{DLQ_SUBJECT, MAX_DELIVER, by_backstop};
 use futures::StreamExt;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -19,6 +21,13 @@ pub const PAUSE_FOR: Duration = Duration::from_secs(8);
 /// The dead-letter stream's outage ends at the latest after this, whatever it saw: the first
 /// letters are rejected at once, and their last delivery comes `9 × ack_wait` later.
 pub const OUTAGE_AT_MOST: Duration = Duration::from_secs(90);
+/// How long a `credit` process holds a message on its last delivery before its first statement
+/// (`CREDIT_TEST_LAST_DELIVERY_HOLD_MS`): long enough for the supervisor, which looks a few
+/// times a second, to see the hold in the log and kill the process during it.
+pub const LAST_DELIVERY_HOLD: Duration = Duration::from_secs(3);
+/// At most this many processes are killed on purpose while they hold a last delivery: the
+/// other last deliveries end in a worker's letter.
+pub const LAST_DELIVERY_KILLS: usize = 3;
 
 /// Whether every database connection has been cut.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,11 +87,22 @@ pub enum Outage {
     },
 }
 
-/// The faults one run went through.
-#[derive(Debug, Clone, Copy)]
-pub struct Faults {
-    /// `credit` processes SIGKILLed (and restarted).
+/// The kills of processes that held a message on its last delivery when they died.
+#[derive(Debug, Clone, Default)]
+pub struct LastDeliveryKills {
+    /// How many.
     pub kills: usize,
+    /// The stream sequences they held: no worker can dead-letter them any more.
+    pub held: BTreeSet<u64>,
+}
+
+/// The faults one run went through.
+#[derive(Debug, Clone)]
+pub struct Faults {
+    /// `credit` processes SIGKILLed (and restarted), those of [`Self::at_last`] included.
+    pub kills: usize,
+    /// The kills of processes holding a message on its last delivery.
+    pub at_last: LastDeliveryKills,
     /// The SIGSTOP of a `credit` process.
     pub pause: Pause,
     /// Whether the nats-server was killed and restarted.
@@ -102,8 +122,18 @@ impl Faults {
             && matches!(self.outage, Outage::Lifted { .. })
     }
 
-    /// The report's cells: the kills, how long the frozen process was held, the letter
-    /// publishes rejected (of them on a last delivery), the sessions cut.
+    /// Counts a kill, and a kill during a last delivery when the process held messages there
+    /// (`held`) when it died.
+    pub fn count_kill(&mut self, held: &BTreeSet<u64>) {
+        self.kills += 1;
+        if !held.is_empty() {
+            self.at_last.kills += 1;
+            self.at_last.held.extend(held);
+        }
+    }
+
+    /// The report's cells: the kills (of them during a last delivery), how long the frozen process
+    /// was held, the letter publishes rejected (of them on a last delivery), the sessions cut.
     pub fn cells(&self) -> Vec<String> {
         let paused = match self.pause {
             Pause::Done { held } => format!("{:.1}s", held.as_secs_f64()),
@@ -120,7 +150,8 @@ impl Faults {
             DbCut::NotApplicable => "n/a".into(),
             DbCut::Pending => "no".into(),
         };
-        vec![self.kills.to_string(), paused, rejected, db_cut]
+        let kills = format!("{} ({})", self.kills, self.at_last.kills);
+        vec![kills, paused, rejected, db_cut]
     }
 
     /// What went missing: a fault that did not bite proves nothing.
@@ -128,6 +159,9 @@ impl Faults {
         let mut missing = Vec::new();
         if self.kills == 0 {
             missing.push("no credit process was killed");
+        }
+        if self.at_last.kills == 0 {
+            missing.push("no credit process was killed holding a message on its last delivery");
         }
         if let Outage::Lifted {
             rejected, at_last, ..
@@ -158,7 +192,8 @@ pub struct LetterWatch {
 pub struct WireCounts {
     /// Publishes, by the original's stream sequence.
     pub by_seq: HashMap<u64, usize>,
-    /// Publishes on the original's last delivery (`Inbox-Delivered` is `max_deliver`).
+    /// A worker's publishes on the original's last delivery (`Inbox-Delivered` is
+    /// `max_deliver`): those it parks when rejected. The backstop's letters do not count.
     pub at_last: usize,
 }
 
@@ -174,12 +209,14 @@ impl LetterWatch {
         let counts = Arc::clone(&seen);
         let task = tokio::spawn(async move {
             while let Some(letter) = letters.next().await {
-                let header = |name: &str| {
+                let text = |name: &str| {
                     let value = letter.headers.as_ref().and_then(|h| h.get(name));
-                    value.and_then(|v| v.as_str().parse::<i64>().ok())
+                    value.map(|v| v.as_str().to_owned())
                 };
-                let seq = header("Inbox-Stream-Seq").unwrap_or(0) as u64;
-                let last = header("Inbox-Delivered") == Some(MAX_DELIVER);
+                let number = |name: &str| text(name).and_then(|v| v.parse::<i64>().ok());
+                let seq = number("Inbox-Stream-Seq").unwrap_or(0) as u64;
+                let last = number("Inbox-Delivered") == Some(MAX_DELIVER)
+                    && !by_backstop(text("Inbox-Error").as_deref());
                 let mut counts = counts.lock().expect("letter counts");
                 *counts.by_seq.entry(seq).or_insert(0) += 1;
                 counts.at_last += usize::from(last);

@@ -102,10 +102,12 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
         report.print_table();
         println!(
             "(applied once: request ids whose balance is 1 with a committed marker; announced: of \
-         them, those with exactly one event in {EVENTS_STREAM} (and no event for anything else); \
-         dead: messages to \
-         reject with exactly one letter; dlq rej.: letter publishes the dead-letter stream \
-         rejected (of them on a last delivery); skipped, by the processes that stopped cleanly: {})",
+             them, those with exactly one event in {EVENTS_STREAM} (and no event for anything \
+             else); dead: messages to reject with exactly one letter; backstop: letters the \
+             delivery-limit backstop wrote; lost: stream sequences neither applied nor \
+             dead-lettered; kills: SIGKILLs (of them while the process held a message on its \
+             last delivery); dlq rej.: letter publishes the dead-letter stream rejected (of them \
+             on a last delivery); skipped, by the processes that stopped cleanly: {})",
             report.skipped()
         );
     }
@@ -118,10 +120,11 @@ pub async fn run_with(options: Options, credit: &Path, email: &Path) -> Result<(
     );
     if failed == 0 && emails_failed == 0 {
         println!(
-            "\nexactly once under faults, message by message: every request applied once and \
-             announced once, every rejected message dead-lettered once (and never announced), \
-             nothing else; every e-mail done or \
-             dead-lettered, called under one idempotency key, never twice at once."
+            "\nexactly once under faults, message by message: every stream sequence applied or \
+             dead-lettered, every request applied once and announced once, every rejected \
+             message (unreadable headers and deaths on a last delivery included) dead-lettered \
+             once (and never announced), nothing else; every e-mail done or dead-lettered, \
+             called under one idempotency key, never twice at once."
         );
         Ok(())
     } else {

@@ -1,9 +1,10 @@
 //! Reading back what a credit run left behind once it is over: `credit`'s markers, the
-//! balances, the unsent outbox rows, every letter and every announcement. A query that fails
-//! fails the read: nothing counts as 0.
+//! balances, the unsent outbox rows, the last sequence of the requests' stream, every letter and
+//! every announcement. A query that fails fails the read: nothing counts as 0.
 
-use super::streams::{CONSUMER, DLQ_STREAM, EVENTS_STREAM, stored};
+use super::streams::{CONSUMER, DLQ_STREAM, EVENTS_STREAM, STREAM, by_backstop, stored};
 use async_nats::jetstream::{self, message::StreamMessage};
+use base64::Engine;
 use inbox_testkit::Backend;
 use sqlx::{AnyPool, AssertSqlSafe, SqlSafeStr};
 use std::collections::{HashMap, HashSet};
@@ -29,6 +30,8 @@ pub struct Letter {
     pub msg_id: Option<String>,
     /// `Inbox-Original-Msg-Id`: the original's `Nats-Msg-Id`, when it had one.
     pub original_msg_id: Option<String>,
+    /// `Inbox-Unreadable-Headers`: the original's header lines no client parses, base64.
+    pub unreadable_headers: Option<String>,
     /// The original's payload.
     pub payload: Vec<u8>,
 }
@@ -46,8 +49,29 @@ impl From<StreamMessage> for Letter {
             error: header("Inbox-Error"),
             msg_id: header("Nats-Msg-Id"),
             original_msg_id: header("Inbox-Original-Msg-Id"),
+            unreadable_headers: header(inbox_runtime::UNREADABLE_HEADERS),
             payload: m.payload.to_vec(),
         }
+    }
+}
+
+impl Letter {
+    /// Whether the delivery-limit backstop wrote it rather than a worker.
+    pub fn by_backstop(&self) -> bool {
+        by_backstop(self.error.as_deref())
+    }
+
+    /// Whether its `Inbox-Unreadable-Headers` carries exactly `lines`, byte for byte (each line
+    /// base64, the lines separated by commas).
+    pub fn carries(&self, lines: &[Vec<u8>]) -> bool {
+        let Some(value) = self.unreadable_headers.as_deref() else {
+            return false;
+        };
+        let decoded: Result<Vec<Vec<u8>>, _> = value
+            .split(',')
+            .map(|line| base64::engine::general_purpose::STANDARD.decode(line))
+            .collect();
+        decoded.is_ok_and(|d| d == lines)
     }
 }
 
@@ -60,6 +84,8 @@ pub struct Observed {
     pub open_markers: Vec<String>,
     /// Balances by account.
     pub balances: HashMap<i64, i64>,
+    /// The last sequence the requests' stream assigned.
+    pub stream_last_seq: u64,
     /// Every message of the dead-letter stream.
     pub letters: Vec<Letter>,
     /// Every event of the announcements' stream (`<STREAM>_EVENTS`): (id, account), or why it
@@ -109,10 +135,21 @@ pub async fn observe(
         .fetch_one(pool)
         .await
         .map_err(|e| format!("{sql}: {e}"))?;
+    let stream_last_seq = {
+        let what = |e: &dyn std::fmt::Display| format!("stream {STREAM}: {e}");
+        let mut stream = js.get_stream(STREAM).await.map_err(|e| what(&e))?;
+        stream
+            .info()
+            .await
+            .map_err(|e| what(&e))?
+            .state
+            .last_sequence
+    };
     Ok(Observed {
         markers,
         open_markers,
         balances,
+        stream_last_seq,
         letters: letters(js).await?,
         events: events(js).await?,
         unsent_events,

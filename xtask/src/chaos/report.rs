@@ -53,6 +53,7 @@ impl Row {
             cells.push(format!("{}/{}", f.announced_once, a.requests));
         }
         cells.push(format!("{}/{}", f.dead_once, a.dead_expected));
+        cells.push(f.by_backstop.to_string());
         cells.extend([lost.to_string(), twice.to_string(), other.to_string()]);
         cells.extend(self.own.iter().cloned());
         cells
@@ -76,7 +77,7 @@ impl Report {
         if columns.announced {
             header.push("announced");
         }
-        header.extend(["dead", "lost", "twice", "other"]);
+        header.extend(["dead", "backstop", "lost", "twice", "other"]);
         header.extend(columns.own);
         let mut table = Table::new();
         table.load_preset(presets::UTF8_FULL_CONDENSED);

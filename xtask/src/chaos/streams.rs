@@ -36,6 +36,17 @@ pub const EVENTS_STREAM: &str = "CHAOS_EVENTS";
 /// in the database is relayed within seconds); past it, the audit says which are missing.
 pub const LETTERS_WITHIN: Duration = Duration::from_secs(60);
 
+/// How the `Inbox-Error` of a letter the delivery-limit backstop wrote begins (a worker's letter
+/// says why the handler failed).
+const BACKSTOP_ERROR: &str = "delivery limit reached without a verdict";
+
+/// Whether a letter whose `Inbox-Error` is `error` was written by the delivery-limit backstop
+/// (the message reached `max_deliver` with no verdict: its holder died, or no client could read
+/// it) rather than by a worker.
+pub fn by_backstop(error: Option<&str>) -> bool {
+    error.is_some_and(|e| e.starts_with(BACKSTOP_ERROR))
+}
+
 /// The consumer's `backoff`: `ack_wait` at every step, one step fewer than `max_deliver` (as the
 /// server requires), so that a credit to an unopened account reaches `max_deliver` within
 /// `9 × ack_wait` rather than the minutes of the runtime's own growing nak delays.

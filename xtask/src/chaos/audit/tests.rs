@@ -4,8 +4,8 @@
 use super::*;
 use crate::chaos::publish::Sent;
 
-/// Two requests (r-0 on account 0, r-1 on account 1, each published twice), one poison and
-/// one unopened credit; sequences 1..=6.
+/// Two requests (r-0 on account 0, r-1 on account 1, each published twice), one poison, one
+/// unopened credit and one unreadable request; sequences 1..=7.
 fn published() -> Published {
     let mut by_seq = BTreeMap::new();
     let request = |i: i64, msg_id: bool| Sent {
@@ -15,6 +15,7 @@ fn published() -> Published {
         account: Some(i),
         msg_id: msg_id.then(|| format!("r-{i}")),
         payload: format!("request {i}").into_bytes(),
+        raw_headers: Vec::new(),
     };
     by_seq.insert(1, request(0, true));
     by_seq.insert(2, request(1, true));
@@ -27,6 +28,7 @@ fn published() -> Published {
             account: None,
             msg_id: None,
             payload: b"{ not json 0".to_vec(),
+            raw_headers: Vec::new(),
         },
     );
     by_seq.insert(4, request(0, false));
@@ -40,12 +42,25 @@ fn published() -> Published {
             account: Some(9),
             msg_id: None,
             payload: b"unopened".to_vec(),
+            raw_headers: Vec::new(),
+        },
+    );
+    by_seq.insert(
+        7,
+        Sent {
+            kind: Kind::Unreadable,
+            label: "x-0".into(),
+            key: Some("x-0".into()),
+            account: Some(10),
+            msg_id: None,
+            payload: b"unreadable".to_vec(),
+            raw_headers: vec![b"X-Bin: \xff".to_vec()],
         },
     );
     Published {
         by_seq,
         requests: 2,
-        dead_expected: 2,
+        dead_expected: 3,
     }
 }
 
@@ -60,7 +75,19 @@ fn letter(dlq_seq: u64, seq: u64, payload: &[u8], delivered: i64) -> Letter {
         error: Some("boom".into()),
         msg_id: Some(format!("dlq:{CONSUMER}:{STREAM}:{seq}")),
         original_msg_id: None,
+        unreadable_headers: None,
         payload: payload.to_vec(),
+    }
+}
+
+/// The backstop's letter of the unreadable request (sequence 7), its header line carried.
+fn backstop_letter(dlq_seq: u64) -> Letter {
+    Letter {
+        error: Some(
+            "delivery limit reached without a verdict (delivery 10 of consumer \"credit\")".into(),
+        ),
+        unreadable_headers: Some("WC1CaW46IP8=".into()),
+        ..letter(dlq_seq, 7, b"unreadable", MAX_DELIVER)
     }
 }
 
@@ -70,9 +97,11 @@ fn clean() -> Observed {
         markers: ["r-0", "r-1"].map(String::from).into(),
         open_markers: Vec::new(),
         balances: [(0, 1), (1, 1)].into(),
+        stream_last_seq: 7,
         letters: vec![
             letter(1, 3, b"{ not json 0", 1),
             letter(2, 6, b"unopened", MAX_DELIVER),
+            backstop_letter(3),
         ],
         events: vec![Ok(("r-0".into(), 0)), Ok(("r-1".into(), 1))],
         unsent_events: 0,
@@ -87,7 +116,8 @@ fn problems(seen: &Observed) -> Vec<(Problem, Vec<String>)> {
 fn a_clean_run_has_no_findings() {
     let f = audit(&published(), &clean());
     assert!(f.problems.is_empty(), "{:?}", f.problems);
-    assert_eq!((f.applied_once, f.dead_once, f.announced_once), (2, 2, 2));
+    assert_eq!((f.applied_once, f.dead_once, f.announced_once), (2, 3, 2));
+    assert_eq!(f.by_backstop, 1);
 }
 
 #[test]
@@ -127,7 +157,10 @@ fn a_lost_request_and_a_double_apply_are_named() {
     assert_eq!(
         problems(&seen),
         [
-            (Problem::Lost, vec!["r-1".to_owned()]),
+            (
+                Problem::Lost,
+                vec!["r-1 (seq 2)".to_owned(), "r-1 (seq 5)".to_owned()]
+            ),
             (Problem::AppliedTwice, vec!["r-0 (balance 2)".to_owned()]),
         ]
     );
@@ -184,6 +217,7 @@ fn a_missing_letter_an_applied_rejection_and_stray_rows_are_named() {
     let mut seen = clean();
     seen.letters.remove(0);
     seen.letters.remove(0);
+    seen.letters.remove(0);
     seen.markers.insert("u-0".into());
     seen.markers.insert("ghost".into());
     seen.balances.insert(9, 1);
@@ -191,7 +225,10 @@ fn a_missing_letter_an_applied_rejection_and_stray_rows_are_named() {
     assert_eq!(
         problems(&seen),
         [
-            (Problem::NotDeadLettered, vec!["poison-0".to_owned()]),
+            (
+                Problem::Lost,
+                vec!["poison-0 (seq 3)".to_owned(), "x-0 (seq 7)".to_owned()]
+            ),
             (Problem::AppliedRejected, vec!["u-0".to_owned()]),
             (
                 Problem::StrayRow,
@@ -240,4 +277,47 @@ fn a_letter_must_name_its_original_everywhere() {
         ..letter(9, 1, b"request 0", 1)
     };
     assert_eq!(origin(&first_copy, &p), Ok(1));
+}
+
+#[test]
+fn a_sequence_chaos_never_published_is_lost() {
+    let mut seen = clean();
+    seen.stream_last_seq = 8;
+    assert_eq!(
+        problems(&seen),
+        [(
+            Problem::Lost,
+            vec!["seq 8 (not published by chaos)".to_owned()]
+        )]
+    );
+}
+
+#[test]
+fn an_unreadable_message_s_letter_must_carry_its_header_lines() {
+    let mut seen = clean();
+    for carried in [
+        None,
+        Some("WC1CaW46IA=="),
+        Some("not base64!"),
+        Some("WC1CaW46IP8=,WC1CaW46IP8="),
+    ] {
+        seen.letters[2].unreadable_headers = carried.map(String::from);
+        assert_eq!(
+            problems(&seen),
+            [(Problem::HeadersDropped, vec!["x-0 (letter #3)".to_owned()])],
+            "{carried:?}"
+        );
+    }
+}
+
+#[test]
+fn an_unopened_credit_may_be_dead_lettered_by_the_backstop() {
+    let mut seen = clean();
+    seen.letters[1] = Letter {
+        error: backstop_letter(2).error,
+        ..letter(2, 6, b"unopened", MAX_DELIVER)
+    };
+    let f = audit(&published(), &seen);
+    assert!(f.problems.is_empty(), "{:?}", f.problems);
+    assert_eq!((f.dead_once, f.by_backstop), (3, 2));
 }
