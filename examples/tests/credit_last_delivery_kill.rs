@@ -10,6 +10,7 @@
 
 use async_nats::jetstream::{self, consumer::PullConsumer, consumer::pull, stream};
 use inbox_examples::CreditRequested;
+use inbox_runtime::BACKSTOP_ERROR;
 use inbox_runtime::Inbox;
 use inbox_testkit::{
     CreditConfig, CreditProcess, LastDeliveryHolds, PrivateNats, backlog, publish_acked, unique,
@@ -27,8 +28,6 @@ const ACK_WAIT: Duration = Duration::from_secs(2);
 const DEADLINE: Duration = Duration::from_secs(120);
 /// The runtime's default dead-letter stream, which `credit` uses.
 const DLQ_STREAM: &str = "INBOX_DLQ";
-/// How a backstop letter's `Inbox-Error` begins.
-const BACKSTOP_ERROR: &str = "delivery limit reached without a verdict";
 
 /// Every letter of the dead-letter stream: (payload, headers), none while it does not exist.
 async fn letters(js: &jetstream::Context) -> Vec<(Vec<u8>, async_nats::HeaderMap)> {

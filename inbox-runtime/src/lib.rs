@@ -63,9 +63,9 @@ pub use sqlx;
 /// The `async_nats` this crate is built with, for the same reason.
 pub use async_nats;
 pub use worker::{
-    AckMode, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, NoState, Stats,
-    UNREADABLE_HEADERS, Worker, WorkerBuilder, WorkerError, advisory_stream_name, process_delivery,
-    transport_id,
+    AckMode, BACKSTOP_ERROR, DEFAULT_DEADLINE, DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, NoState,
+    Stats, UNREADABLE_HEADERS, Worker, WorkerBuilder, WorkerError, advisory_stream_name,
+    process_delivery, transport_id,
 };
 
 /// Makes an `async fn` an idempotent message handler.

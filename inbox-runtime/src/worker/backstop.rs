@@ -62,6 +62,9 @@ const ADVISORY_PREFIX: &str = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES";
 /// over a long weekend and still find it.
 const ADVISORY_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 
+/// How the `Inbox-Error` of every letter the backstop writes begins.
+pub const BACKSTOP_ERROR: &str = "delivery limit reached without a verdict";
+
 /// The header that carries, base64-encoded (one item per line, comma-separated), the header
 /// lines of the original that cannot travel as NATS headers.
 pub const UNREADABLE_HEADERS: &str = "Inbox-Unreadable-Headers";
@@ -299,12 +302,12 @@ impl<H: Handler> Inner<H> {
                     return Ok(Done::Committed);
                 }
                 format!(
-                    "delivery limit reached without a verdict (delivery {} of consumer {:?}): the process holding its last delivery stopped, or the client could not read the message",
+                    "{BACKSTOP_ERROR} (delivery {} of consumer {:?}): the process holding its last delivery stopped, or the client could not read the message",
                     advisory.deliveries, advisory.consumer
                 )
             }
             // No key, so it was never applied: the worker would have dead-lettered it.
-            Err(e) => format!("delivery limit reached without a verdict, and {e}"),
+            Err(e) => format!("{BACKSTOP_ERROR}, and {e}"),
         };
         let created = self.stream_created.get(js, &advisory.stream).await.ok();
         let letter = DeadLetter {

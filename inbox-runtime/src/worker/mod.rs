@@ -29,7 +29,7 @@ mod upkeep;
 mod verdict;
 
 pub(crate) use backstop::{AdvisoryStream, ensure_stream as ensure_advisory_stream};
-pub use backstop::{UNREADABLE_HEADERS, advisory_stream_name};
+pub use backstop::{BACKSTOP_ERROR, UNREADABLE_HEADERS, advisory_stream_name};
 pub use builder::{AckMode, NoState, WorkerBuilder};
 pub use check::DEFAULT_DEADLINE;
 pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};

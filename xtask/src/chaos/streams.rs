@@ -6,6 +6,7 @@
 
 use async_nats::jetstream::stream::{DiscardPolicy, RawMessageErrorKind};
 use async_nats::jetstream::{self, consumer::pull, message::StreamMessage, stream};
+use inbox_runtime::BACKSTOP_ERROR;
 use inbox_testkit::{CreditConfig, Poll};
 use std::path::Path;
 use std::time::Duration;
@@ -35,10 +36,6 @@ pub const EVENTS_STREAM: &str = "CHAOS_EVENTS";
 /// How long, once the consumer has drained, the letters may take to be stored (a letter parked
 /// in the database is relayed within seconds); past it, the audit says which are missing.
 pub const LETTERS_WITHIN: Duration = Duration::from_secs(60);
-
-/// How the `Inbox-Error` of a letter the delivery-limit backstop wrote begins (a worker's letter
-/// says why the handler failed).
-const BACKSTOP_ERROR: &str = "delivery limit reached without a verdict";
 
 /// Whether a letter whose `Inbox-Error` is `error` was written by the delivery-limit backstop
 /// (the message reached `max_deliver` with no verdict: its holder died, or no client could read
