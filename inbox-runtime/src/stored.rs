@@ -19,6 +19,8 @@ use std::time::{Duration, SystemTime};
 
 /// JetStream's error code for "no message found".
 const NO_MESSAGE_FOUND: u64 = 10037;
+/// JetStream's error code for "stream not found".
+const STREAM_NOT_FOUND: u64 = 10059;
 
 /// A stored message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -68,7 +70,7 @@ struct Raw {
 }
 
 /// Reads one message of `stream`; `None` when there is none (deleted, removed by the stream's
-/// limits, or no later message on the subject).
+/// limits, no later message on the subject, or no such stream any more).
 pub(crate) async fn read(
     js: &jetstream::Context,
     stream: &str,
@@ -88,7 +90,9 @@ pub(crate) async fn read(
     let answer: Response<Answer> = js.request(subject, &request).await?;
     let raw = match answer {
         Response::Ok(answer) => answer.message,
-        Response::Err { error } if error.error_code().0 == NO_MESSAGE_FOUND => {
+        Response::Err { error }
+            if matches!(error.error_code().0, NO_MESSAGE_FOUND | STREAM_NOT_FOUND) =>
+        {
             return Ok(None);
         }
         Response::Err { error } => {
@@ -138,8 +142,11 @@ impl StoredMessage {
 }
 
 /// Splits a stored header block (`NATS/1.0\r\n`, then `name: value` lines, a line that starts with
-/// whitespace continuing the one before) as the client reads it, line by line: a line with a
-/// name and value the client accepts is readable, any other is kept as it is.
+/// whitespace continuing the one before) as async-nats reads it (its `connection.rs`): lines
+/// split at LF with a trailing CR dropped, a continuation being a line that starts with any
+/// Unicode whitespace, the value trimmed at its start before the continuations are appended as
+/// they are, and at its end after. A line with a name and value the client accepts is readable;
+/// any other is kept as it is stored, and so is a first line that is not the version line.
 pub(crate) fn split_headers(block: &[u8]) -> Headers {
     let mut headers = Headers::default();
     let mut lines = block
@@ -147,38 +154,54 @@ pub(crate) fn split_headers(block: &[u8]) -> Headers {
         .map(|line| line.strip_suffix(b"\r").unwrap_or(line))
         .peekable();
     // The version line (`NATS/1.0`, with a status on a server's own messages).
-    lines.next();
+    if lines.next_if(|l| l.starts_with(b"NATS/1.0")).is_none() {
+        // No version line: the client would read none of it; everything is kept as stored.
+        headers
+            .unreadable
+            .extend(lines.filter(|l| !l.is_empty()).map(Bytes::copy_from_slice));
+        return headers;
+    }
     while let Some(line) = lines.next() {
         if line.is_empty() {
             continue;
         }
-        let mut whole = line.to_vec();
-        while let Some(more) = lines.next_if(|l| l.first().is_some_and(u8::is_ascii_whitespace)) {
-            whole.extend_from_slice(b"\r\n");
-            whole.extend_from_slice(more);
+        let mut segments = vec![line];
+        while let Some(more) = lines.next_if(|l| continues(l)) {
+            segments.push(more);
         }
-        match readable(&whole) {
+        match readable(&segments) {
             Some((name, value)) => {
                 headers.readable.append(name, value);
             }
-            None => headers.unreadable.push(Bytes::from(whole)),
+            None => headers
+                .unreadable
+                .push(Bytes::from(segments.join(&b"\r\n"[..]))),
         }
     }
     headers
 }
 
-/// `line` as the client reads it (`name: value`, continuation lines joined), when it can.
-fn readable(line: &[u8]) -> Option<(HeaderName, HeaderValue)> {
-    let text = std::str::from_utf8(line).ok()?;
+/// Whether `line` continues the header before it, as the client decides: it starts with
+/// whitespace (any Unicode whitespace, when the line is UTF-8).
+fn continues(line: &[u8]) -> bool {
+    match std::str::from_utf8(line) {
+        Ok(text) => text.starts_with(char::is_whitespace),
+        Err(_) => line.first().is_some_and(u8::is_ascii_whitespace),
+    }
+}
+
+/// A header line and its continuations as the client reads them, when it can.
+fn readable(segments: &[&[u8]]) -> Option<(HeaderName, HeaderValue)> {
+    let (first, rest) = segments.split_first()?;
+    let text = std::str::from_utf8(first).ok()?;
     let (name, value) = text.split_once(':')?;
     let name: HeaderName = name.parse().ok()?;
-    let joined: String = value
-        .split("\r\n")
-        .collect::<Vec<_>>()
-        .concat()
-        .trim()
-        .to_owned();
-    let value: HeaderValue = joined.parse().ok()?;
+    let mut value = value.trim_start().to_owned();
+    for more in rest {
+        value.push_str(std::str::from_utf8(more).ok()?);
+    }
+    value.truncate(value.trim_end().len());
+    let value: HeaderValue = value.parse().ok()?;
     Some((name, value))
 }
 
@@ -217,6 +240,21 @@ mod tests {
             .map(|b| STANDARD.decode(b).unwrap())
             .collect();
         assert_eq!(back[1], b"X-Bin: \xff\xfe");
+        // As the client: the value's start trimmed before a continuation, which keeps its own
+        // leading whitespace; any Unicode whitespace starts a continuation.
+        let h = split_headers(
+            "NATS/1.0\r\nNats-Msg-Id:\r\n  id1\r\nX-Nbsp: a\r\n\u{a0}b\r\n\r\n".as_bytes(),
+        );
+        assert_eq!(h.readable.get("Nats-Msg-Id").unwrap().as_str(), "  id1");
+        assert_eq!(h.readable.get("X-Nbsp").unwrap().as_str(), "a\u{a0}b");
+        assert!(h.unreadable.is_empty(), "{:?}", h.unreadable);
+        // A bare CR inside a value: no header value can hold it.
+        let h = split_headers(b"NATS/1.0\r\nX-Cr: a\rb\r\n\r\n");
+        assert_eq!(h.unreadable.len(), 1);
+        // No version line: nothing is read, nothing lost.
+        let h = split_headers(b"X-A: 1\r\nX-B: 2\r\n\r\n");
+        assert!(h.readable.is_empty());
+        assert_eq!(h.unreadable.len(), 2);
     }
 
     #[test]

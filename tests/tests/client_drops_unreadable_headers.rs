@@ -68,3 +68,43 @@ async fn the_client_drops_its_connection_on_an_unreadable_header() {
         }
     }
 }
+
+/// A bare CR inside a header value is worse: async-nats 0.51 panics in the task that reads its
+/// connection (`HeaderValue::from(String)` asserts), and the client never recovers. Why the
+/// delivery-limit backstop of an `App` reads on the app's own connection, which is never
+/// delivered a stored message.
+#[tokio::test]
+async fn the_client_dies_on_a_carriage_return_in_a_header_value() {
+    let url = inbox_tests::nats_url();
+    let client = async_nats::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("NATS is not reachable at {url}: {e}"));
+    let subject = unique("pin.");
+    let mut subscription = client.subscribe(subject.clone()).await.unwrap();
+    client.flush().await.unwrap();
+    publish_raw_lines(&url, &subject, &[b"X-Cr: a\rb".to_vec()], b"payload")
+        .await
+        .unwrap();
+    // A client that recovers answers a flush again soon; this one never does.
+    let dead = async || {
+        tokio::time::timeout(Duration::from_secs(2), client.flush())
+            .await
+            .map_or(true, |flushed| flushed.is_err())
+    };
+    wait_until(
+        "the client to stop answering",
+        Duration::from_secs(20),
+        dead,
+    )
+    .await
+    .unwrap_or_else(|e| {
+        panic!(
+            "{e}: async-nats now survives a CR in a header value; revisit the backstop's connection"
+        )
+    });
+    let next = tokio::time::timeout(Duration::from_millis(200), subscription.next()).await;
+    assert!(
+        !matches!(next, Ok(Some(ref m)) if &m.payload[..] == b"payload"),
+        "the message was delivered"
+    );
+}

@@ -124,6 +124,7 @@ impl<DB: InboxBackend> App<DB> {
                     let inbox = pinged.clone();
                     Box::pin(async move { inbox.reachable().await })
                 }),
+                pulls: std::sync::Mutex::new(Vec::new()),
                 workers: AtomicUsize::new(0),
                 running: AtomicUsize::new(0),
             }),
@@ -146,8 +147,8 @@ impl<DB: InboxBackend> App<DB> {
     /// client cannot parse (sent by another client; the client drops its connection when one is
     /// delivered) interrupts every handler at each of its deliveries.
     ///
-    /// A handler's backstop (see [`WorkerBuilder::backstop`]) reads on its connection too;
-    /// stream and consumer lookups and the relays stay on the app's.
+    /// Stream and consumer lookups, the backstop (see [`WorkerBuilder::backstop`]) and the
+    /// relays stay on the app's connection, which is never delivered a stored message.
     pub fn pull_connections<F, Fut>(mut self, connect: F) -> Self
     where
         F: Fn() -> Fut + Send + Sync + 'static,
@@ -364,13 +365,19 @@ impl<DB: InboxBackend> App<DB> {
             }
             let consumer = resolve(&self.jetstream, &plan.durable, shutdown).await?;
             let pulls = match &self.connect {
-                Some(connect) => own_connection(connect, plan.consumer, shutdown).await?,
+                Some(connect) => {
+                    let js = own_connection(connect, plan.consumer, shutdown).await?;
+                    let mut watched = self.health.inner.pulls.lock().expect("the pulls lock");
+                    watched.push(js.client());
+                    js
+                }
                 None => self.jetstream.clone(),
             };
             let builder = WorkerBuilder::new(self.inbox.clone(), &pulls, consumer);
             let builder = match &self.backstop {
                 Some(which) => {
                     check_backstop(&self.jetstream, which, &plan.durable, shutdown).await?;
+                    let builder = builder.backstop_on(&self.jetstream);
                     match which {
                         AdvisoryStream::PerStream => builder.backstop(),
                         AdvisoryStream::Named(name) => builder.backstop_in(name.clone()),

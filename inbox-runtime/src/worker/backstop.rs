@@ -21,7 +21,7 @@
 //! letter: see the README's "Delivery limit".
 
 use super::Inner;
-use super::dead_letter::{DeadLetter, letter_headers};
+use super::dead_letter::{DeadLetter, UNREADABLE_HEADERS, letter_headers};
 use super::serve::panic_text;
 use super::transport_id::key_on;
 use crate::backoff::Backoff;
@@ -65,10 +65,6 @@ const ADVISORY_MAX_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 /// How the `Inbox-Error` of every letter the backstop writes begins.
 pub const BACKSTOP_ERROR: &str = "delivery limit reached without a verdict";
 
-/// The header that carries, base64-encoded (one item per line, comma-separated), the header
-/// lines of the original that cannot travel as NATS headers.
-pub const UNREADABLE_HEADERS: &str = "Inbox-Unreadable-Headers";
-
 /// What an advisory says (`io.nats.jetstream.advisory.v1.max_deliver`).
 #[derive(Debug, serde::Deserialize)]
 struct Advisory {
@@ -76,6 +72,9 @@ struct Advisory {
     consumer: String,
     stream_seq: u64,
     deliveries: i64,
+    /// When the server published it (RFC 3339).
+    #[serde(default)]
+    timestamp: Option<String>,
 }
 
 /// What the backstop did with one advisory.
@@ -87,6 +86,8 @@ enum Done {
     Gone,
     /// Dead-lettered.
     Lettered,
+    /// About an earlier instance of the stream or consumer.
+    Stale,
 }
 
 /// Creates the advisory stream of `durable` of `stream` if it is missing (with `replicas`
@@ -98,15 +99,19 @@ pub(crate) async fn ensure_stream(
     durable: &str,
     replicas: usize,
 ) -> Result<String, async_nats::Error> {
-    let name = match which {
-        AdvisoryStream::PerStream => advisory_stream_name(stream),
-        AdvisoryStream::Named(name) => name.clone(),
+    // A named stream may serve the consumers of several streams: made, it takes them all.
+    let (name, subject) = match which {
+        AdvisoryStream::PerStream => (
+            advisory_stream_name(stream),
+            format!("{ADVISORY_PREFIX}.{stream}.*"),
+        ),
+        AdvisoryStream::Named(name) => (name.clone(), format!("{ADVISORY_PREFIX}.>")),
     };
     let ours = format!("{ADVISORY_PREFIX}.{stream}.{durable}");
     let mut found = js
         .get_or_create_stream(stream::Config {
             name: name.clone(),
-            subjects: vec![format!("{ADVISORY_PREFIX}.{stream}.*")],
+            subjects: vec![subject],
             max_age: ADVISORY_MAX_AGE,
             num_replicas: replicas.max(1),
             ..Default::default()
@@ -180,6 +185,43 @@ async fn backstop_consumer(
     Ok(consumer)
 }
 
+/// Makes sure the advisory stream of `inner`'s consumer exists before the worker first pulls:
+/// an advisory published before it would be lost. Waits out failures until `shutdown`.
+pub(super) async fn ready<H: Handler>(
+    inner: &Inner<H>,
+    advisories: &AdvisoryStream,
+    shutdown: &CancellationToken,
+) {
+    let info = inner.consumer.cached_info();
+    let (stream, durable) = (&info.stream_name, &info.name);
+    let js = &inner.backstop_js;
+    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
+    loop {
+        let made = async {
+            let replicas = js
+                .get_stream(stream)
+                .await?
+                .cached_info()
+                .config
+                .num_replicas;
+            ensure_stream(js, advisories, stream, durable, replicas).await
+        };
+        let failed = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            made = made => match made {
+                Ok(_) => return,
+                Err(e) => e,
+            },
+        };
+        let wait = backoff.next();
+        tracing::warn!(consumer = H::CONSUMER, error = %failed, retry_in = ?wait, "delivery-limit backstop: its advisory stream is not ready; not pulling yet");
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
 /// Runs the backstop of `inner`'s consumer, reading advisory stream `advisories`, until
 /// `shutdown`. Failures are logged and waited out; an advisory is acknowledged only once its
 /// message is known to be committed, gone, or dead-lettered.
@@ -214,7 +256,7 @@ impl<H: Handler> Inner<H> {
         stream: &str,
         durable: &str,
     ) -> async_nats::Error {
-        let js = &self.jetstream;
+        let js = &self.backstop_js;
         let consumer = async {
             let replicas = js
                 .get_stream(stream)
@@ -276,9 +318,45 @@ impl<H: Handler> Inner<H> {
         }
     }
 
+    /// Whether `advisory` is about an earlier instance of the stream or of the consumer (both
+    /// deleted and created again since, or the consumer reset to replay): its sequence then
+    /// names another message, or one the new consumer is to deliver afresh.
+    async fn is_stale(&self, advisory: &Advisory) -> Result<bool, async_nats::Error> {
+        let Some(at) = advisory.timestamp.as_deref().and_then(|t| {
+            time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+        }) else {
+            return Ok(false);
+        };
+        let at = at.unix_timestamp_nanos();
+        let stream = self
+            .stream_created
+            .get(&self.backstop_js, &advisory.stream)
+            .await?;
+        let durable = &self.consumer.cached_info().name;
+        let consumer = self
+            .backstop_js
+            .get_stream(&advisory.stream)
+            .await?
+            .get_consumer::<consumer::pull::Config>(durable)
+            .await?
+            .cached_info()
+            .created
+            .unix_timestamp_nanos();
+        Ok(at < stream || at < consumer)
+    }
+
     /// Reads the advisory's message and dead-letters it unless its marker is committed.
     async fn backstop(&self, advisory: &Advisory) -> Result<Done, async_nats::Error> {
-        let js = &self.jetstream;
+        let js = &self.backstop_js;
+        if self.is_stale(advisory).await? {
+            tracing::info!(
+                consumer = H::CONSUMER,
+                stream = %advisory.stream,
+                seq = advisory.stream_seq,
+                "a delivery-limit advisory older than the stream or consumer it names; ignored"
+            );
+            return Ok(Done::Stale);
+        }
         let lookup = Lookup::Sequence(advisory.stream_seq);
         let Some(stored) = stored::read(js, &advisory.stream, lookup).await? else {
             tracing::warn!(
@@ -309,7 +387,9 @@ impl<H: Handler> Inner<H> {
             // No key, so it was never applied: the worker would have dead-lettered it.
             Err(e) => format!("{BACKSTOP_ERROR}, and {e}"),
         };
-        let created = self.stream_created.get(js, &advisory.stream).await.ok();
+        // Without it the letter's id would not match a worker's for the same message: asked
+        // again later rather than written without.
+        let created = Some(self.stream_created.get(js, &advisory.stream).await?);
         let letter = DeadLetter {
             consumer: H::CONSUMER,
             stream: &advisory.stream,
@@ -366,7 +446,7 @@ impl<H: Handler> Inner<H> {
             Ok(explicit) => explicit,
             Err(why) => return Ok(Err(why)),
         };
-        match key_on(explicit, &self.jetstream, delivery, &self.stream_created).await {
+        match key_on(explicit, &self.backstop_js, delivery, &self.stream_created).await {
             Ok(key) => Ok(Ok(key)),
             Err(e @ ProcessError::StreamLookup { .. }) => Err(e.into()),
             Err(e) => Ok(Err(format!("it has no usable key: {e}"))),

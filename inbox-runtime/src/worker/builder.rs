@@ -57,6 +57,8 @@ pub struct WorkerBuilder<DB: InboxBackend> {
     consumer: Option<PullConsumer>,
     options: Options,
     cleanup_stream: Option<stream::Stream>,
+    /// Where the backstop reads, when not on the pull connection.
+    backstop_on: Option<jetstream::Context>,
 }
 
 impl<DB: InboxBackend> WorkerBuilder<DB> {
@@ -69,6 +71,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             consumer: Some(consumer),
             options: Options::default(),
             cleanup_stream: None,
+            backstop_on: None,
         }
     }
 
@@ -81,6 +84,7 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             consumer: None,
             options: Options::default(),
             cleanup_stream: None,
+            backstop_on: None,
         }
     }
 
@@ -214,6 +218,14 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
+    /// The backstop reads advisories and stored messages, and publishes its letters, on
+    /// `jetstream`'s connection rather than the one the worker pulls on: one that is never
+    /// delivered a stored message, which a header the client cannot read would break.
+    pub(crate) fn backstop_on(mut self, jetstream: &jetstream::Context) -> Self {
+        self.backstop_on = Some(jetstream.clone());
+        self
+    }
+
     /// No delivery-limit backstop (see [`WorkerBuilder::backstop`]).
     pub fn without_backstop(mut self) -> Self {
         self.options.backstop = None;
@@ -319,9 +331,10 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
                 consumer: info.name.clone(),
             })?;
         let consumer = PullConsumer::new(config, info.clone(), self.jetstream.clone());
+        let backstop_js = self.backstop_on.unwrap_or_else(|| self.jetstream.clone());
         Ok(Worker::new(
             self.inbox,
-            self.jetstream,
+            (self.jetstream, backstop_js),
             consumer,
             handler,
             state,

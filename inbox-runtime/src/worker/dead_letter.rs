@@ -21,6 +21,10 @@ pub const DEFAULT_DLQ_STREAM: &str = "INBOX_DLQ";
 /// The default dead-letter subject prefix.
 pub const DEFAULT_DLQ_PREFIX: &str = "inbox.dlq";
 
+/// The header that carries, base64-encoded (one item per line, comma-separated), the header
+/// lines of the original that cannot travel as NATS headers (see the delivery-limit backstop).
+pub const UNREADABLE_HEADERS: &str = "Inbox-Unreadable-Headers";
+
 /// The longest `Inbox-Error` a letter carries, in bytes: an error can be as long as a payload.
 const MAX_ERROR_LEN: usize = 1024;
 
@@ -177,7 +181,9 @@ fn fit(headers: HeaderMap, payload: Bytes, max: usize) -> (HeaderMap, Bytes) {
             .iter()
             .filter(|(name, _)| {
                 let name: &str = name.as_ref();
-                name.starts_with("Inbox-") || name.eq_ignore_ascii_case("Nats-Msg-Id")
+                // The original's unreadable header lines are the original's headers too.
+                (name.starts_with("Inbox-") && name != UNREADABLE_HEADERS)
+                    || name.eq_ignore_ascii_case("Nats-Msg-Id")
             })
             .flat_map(|(name, values)| values.iter().map(move |v| (name.clone(), v.clone())))
             .fold(HeaderMap::new(), |mut h, (name, value)| {

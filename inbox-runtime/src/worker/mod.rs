@@ -29,10 +29,10 @@ mod upkeep;
 mod verdict;
 
 pub(crate) use backstop::{AdvisoryStream, ensure_stream as ensure_advisory_stream};
-pub use backstop::{BACKSTOP_ERROR, UNREADABLE_HEADERS, advisory_stream_name};
+pub use backstop::{BACKSTOP_ERROR, advisory_stream_name};
 pub use builder::{AckMode, NoState, WorkerBuilder};
 pub use check::DEFAULT_DEADLINE;
-pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM};
+pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, UNREADABLE_HEADERS};
 pub use error::WorkerError;
 pub use serve::process_delivery;
 pub use transport_id::transport_id;
@@ -137,6 +137,9 @@ struct Inner<H: Handler> {
     metrics: std::sync::OnceLock<crate::metrics::Handles>,
     /// JetStream: the pull subscription's client, the context of every message.
     jetstream: async_nats::jetstream::Context,
+    /// Where the backstop reads and writes (the app's connection in an `App`, which pulls no
+    /// stored message; else `jetstream`).
+    backstop_js: async_nats::jetstream::Context,
     /// The consumer's stream, when cleanup was asked for.
     cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
 }
@@ -145,7 +148,10 @@ impl<H: Handler> Worker<H> {
     #[allow(clippy::too_many_arguments)]
     fn new(
         inbox: Inbox<H::Db>,
-        jetstream: async_nats::jetstream::Context,
+        (jetstream, backstop_js): (
+            async_nats::jetstream::Context,
+            async_nats::jetstream::Context,
+        ),
         consumer: PullConsumer,
         handler: H,
         state: H::State,
@@ -169,6 +175,7 @@ impl<H: Handler> Worker<H> {
                 metrics: std::sync::OnceLock::new(),
                 settings,
                 jetstream,
+                backstop_js,
                 cleanup_stream,
             }),
         }
@@ -265,6 +272,7 @@ where
             });
         }
         if let Some(advisories) = self.inner.settings.backstop.clone() {
+            backstop::ready(&self.inner, &advisories, &shutdown).await;
             tasks.spawn(backstop::run(
                 self.inner.clone(),
                 advisories,

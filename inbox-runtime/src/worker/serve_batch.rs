@@ -31,16 +31,23 @@ where
         shutdown: CancellationToken,
         tasks: TaskTracker,
     ) {
-        // Served alone, a message takes a connection like a batch does.
+        // Served alone, a message takes a connection like a batch does. Waiting for one, it
+        // gets progress acks: its delivery must not end at the server meanwhile (on the last
+        // delivery, the backstop would dead-letter it while it is about to commit).
+        let every = self.settings.progress_every;
         let alone = |(message, permit): Waiting| {
             let (inner, shutdown) = (self.clone(), shutdown.clone());
             tasks.spawn(async move {
-                let _connection = inner.connections.clone().acquire_owned().await;
+                let waiting = inner.connections.clone().acquire_owned();
+                let _connection = with_progress(&[&message], every, waiting).await;
                 inner.serve(message, permit, shutdown).await
             });
         };
         let _in_flight = self.metrics.get().map(|m| m.in_flight(batch.len()));
-        let connection = self.connections.clone().acquire_owned().await;
+        let held: Vec<&Message> = batch.iter().map(|(message, _)| message).collect();
+        let waiting = self.connections.clone().acquire_owned();
+        let connection = with_progress(&held, every, waiting).await;
+        drop(held);
         let mut keyed = Vec::with_capacity(batch.len());
         for (message, permit) in batch {
             let Ok(info) = message.info() else {

@@ -346,8 +346,110 @@ async fn unreadable_headers_are_dead_lettered<B: TestBackend>() {
     running.await.unwrap().unwrap();
 }
 
+/// An advisory about a consumer since deleted and created again (a reset to replay) names a
+/// message the new consumer is to deliver afresh, or never (here: it delivers only new
+/// messages): it is ignored, where it used to dead-letter that message.
+async fn an_advisory_of_an_earlier_consumer_is_ignored<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer_with("c", Duration::from_secs(1), 1).await;
+    let (_, first) = instance::<B>(&nats, &inbox, "c").await;
+    let advisory_stream = inbox_runtime::advisory_stream_name(&nats.stream);
+    wait_until("the advisory stream", Duration::from_secs(30), async || {
+        nats.js.get_stream(&advisory_stream).await.is_ok()
+    })
+    .await
+    .unwrap();
+    first.stop().await;
+    nats.publish_all([Entry::new("old", 1, 5).json()]).await;
+    take_and_die(&consumer, 1).await;
+    // The server publishes the advisory once the consumer is pulled from again.
+    let advisories = nats.js.get_stream(&advisory_stream).await.unwrap();
+    wait_until("the advisory", Duration::from_secs(30), async || {
+        let _ = consumer
+            .fetch()
+            .max_messages(1)
+            .expires(Duration::from_millis(200))
+            .messages()
+            .await;
+        let mut advisories = advisories.clone();
+        advisories.info().await.is_ok_and(|i| i.state.messages > 0)
+    })
+    .await
+    .unwrap();
+    let stream = nats.js.get_stream(&nats.stream).await.unwrap();
+    stream.delete_consumer("c").await.unwrap();
+    stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            durable_name: Some("c".to_owned()),
+            ack_wait: Duration::from_secs(1),
+            max_deliver: 1,
+            deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::New,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (_, run) = instance::<B>(&nats, &inbox, "c").await;
+    backstop_drained(&nats, "c", 1).await;
+    run.stop().await;
+    assert!(nats.dead_letters().await.is_empty(), "no letter");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
+}
+
+/// A header value with a bare CR kills the client's connection for good (see
+/// `tests/client_drops_unreadable_headers.rs`): the app's health says so, so that its
+/// supervisor restarts it, rather than the handler sitting on a dead connection.
+async fn a_dead_pull_connection_makes_the_app_unhealthy<B: TestBackend>() {
+    let (_db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    nats.consumer("c", Duration::from_secs(30)).await;
+    let url = nats.url().to_owned();
+    let (dlq, prefix) = (nats.dlq_stream.clone(), nats.dlq_prefix.clone());
+    let app = App::new(inbox, &nats.js)
+        .pull_connections(move || {
+            let url = url.clone();
+            async move { Ok(jetstream::new(async_nats::connect(url).await?)) }
+        })
+        .handler_configured(
+            B::Credit::default(),
+            (),
+            Durable::existing(&nats.stream, "c"),
+            move |w| w.dead_letters(dlq.clone(), prefix.clone()),
+        );
+    let health = app.health();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let running = tokio::spawn(app.run_until(shutdown.clone()));
+    wait_until(
+        "the app to be healthy",
+        Duration::from_secs(30),
+        async || health.check().await.healthy(),
+    )
+    .await
+    .unwrap();
+    let payload = Entry::new("cr", 1, 1).json();
+    inbox_testkit::publish_raw_lines(
+        nats.url(),
+        &nats.subject,
+        &[b"X-Cr: a\rb".to_vec()],
+        &payload,
+    )
+    .await
+    .unwrap();
+    wait_until(
+        "the app to say it is not",
+        Duration::from_secs(30),
+        async || !health.check().await.nats,
+    )
+    .await
+    .unwrap();
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+}
+
 super::behaviours!(
     a_death_on_the_last_delivery_is_dead_lettered_once,
     committed_but_unacked_on_the_last_delivery_is_not_dead_lettered,
     unreadable_headers_are_dead_lettered,
+    an_advisory_of_an_earlier_consumer_is_ignored,
+    a_dead_pull_connection_makes_the_app_unhealthy,
 );
