@@ -68,7 +68,7 @@ async fn consumers_drained(js: &jetstream::Context, stream: &str) -> bool {
     drained
 }
 
-async fn killed_on_its_last_delivery<B: TestBackend>() {
+async fn killed_on_its_last_delivery_is_dead_lettered_once<B: TestBackend>() {
     let db: TestDb<B::Db> = B::create(2).await;
     Inbox::new(db.pool.clone()).migrate().await.unwrap();
     let nats = PrivateNats::start().await.unwrap_or_else(|e| panic!("{e}"));
@@ -219,17 +219,4 @@ async fn killed_on_its_last_delivery<B: TestBackend>() {
     }
 }
 
-macro_rules! on_backend {
-    ($name:ident, $backend:ty) => {
-        mod $name {
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn killed_on_its_last_delivery_is_dead_lettered_once() {
-                super::killed_on_its_last_delivery::<$backend>().await
-            }
-        }
-    };
-}
-
-on_backend!(postgres, inbox_tests::backends::Postgres);
-on_backend!(mysql, inbox_tests::backends::MySql);
-on_backend!(sqlite, inbox_tests::backends::Sqlite);
+inbox_tests::on_all_backends!(killed_on_its_last_delivery_is_dead_lettered_once);

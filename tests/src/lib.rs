@@ -216,14 +216,6 @@ impl NatsStream {
             .expect("create consumer")
     }
 
-    /// A new connection to the test's server, with JetStream on it.
-    pub async fn connection(&self) -> jetstream::Context {
-        let client = inbox_testkit::connect(&self.url)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        jetstream::new(client)
-    }
-
     /// The test server's URL.
     pub fn url(&self) -> &str {
         &self.url

@@ -3,7 +3,7 @@
 //! waiting out JetStream being unavailable.
 
 use super::AppError;
-use crate::backoff::Backoff;
+use super::start::{Failed, create_stream_unavailable, get_stream_unavailable, retrying};
 use crate::error::unavailable;
 use async_nats::jetstream::{self, consumer, consumer::pull, stream};
 use std::time::Duration;
@@ -148,27 +148,15 @@ pub(super) async fn resolve(
     durable: &Durable,
     shutdown: &CancellationToken,
 ) -> Result<consumer::PullConsumer, AppError> {
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-    let mut attempt = 1u32;
-    loop {
-        let once = tokio::select! {
-            once = resolve_once(js, durable) => once,
-            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-        };
-        match once {
-            Ok(consumer) => return Ok(consumer),
-            Err((what, source, true)) => {
-                let wait = backoff.next();
-                tracing::warn!(attempt, error = %source, retry_in = ?wait, "{what}; retrying");
-                attempt += 1;
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-                    _ = tokio::time::sleep(wait) => {}
-                }
-            }
-            Err((what, source, _)) => return Err(AppError::Nats { what, source }),
-        }
-    }
+    retrying(shutdown, || async {
+        resolve_once(js, durable)
+            .await
+            .map_err(|(what, source, transient)| match transient {
+                true => Failed::Wait(format!("{what}: {source}")),
+                false => Failed::Stop(AppError::Nats { what, source }),
+            })
+    })
+    .await
 }
 
 /// One try of [`resolve`]: the consumer, or what failed, its error, and whether it is worth
@@ -177,26 +165,15 @@ async fn resolve_once(
     js: &jetstream::Context,
     durable: &Durable,
 ) -> Result<consumer::PullConsumer, (String, async_nats::Error, bool)> {
-    use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
     use async_nats::jetstream::stream::ConsumerErrorKind;
     let stream = match &durable.stream_config {
         Some(config) => js.get_or_create_stream(config.clone()).await.map_err(|e| {
-            let transient = match e.kind() {
-                CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => {
-                    true
-                }
-                CreateStreamErrorKind::JetStream(e) => unavailable(&e),
-                _ => false,
-            };
+            let transient = create_stream_unavailable(&e);
             let what = format!("cannot get or create stream {:?}", durable.stream);
             (what, e.into(), transient)
         })?,
         None => js.get_stream(&durable.stream).await.map_err(|e| {
-            let transient = match e.kind() {
-                GetStreamErrorKind::Request => true,
-                GetStreamErrorKind::JetStream(e) => unavailable(&e),
-                _ => false,
-            };
+            let transient = get_stream_unavailable(&e);
             let what = format!("cannot get stream {:?}", durable.stream);
             (what, e.into(), transient)
         })?,

@@ -3,32 +3,33 @@
 //!
 //! One concept per file: this file holds the [`App`] and its run; `durable` (which consumer a
 //! handler serves, resolved at start), `pool` (the registrations checked, the pool split),
-//! `health` (the probe), `error` (why an app did not start).
+//! `health` (the probe), `error` (why an app did not start), `start` (each start step, waited
+//! out while NATS is not there yet).
 
 mod durable;
 mod error;
 mod health;
 mod pool;
+mod start;
 
 pub use durable::{Durable, recommended_consumer};
 pub use error::AppError;
 pub use health::{Health, HealthReport};
 
 use crate::backend::InboxBackend;
-use crate::backoff::Backoff;
 use crate::handler::Handler;
-use crate::outbox::{Relay, RelayError};
+use crate::outbox::Relay;
 use crate::store::Inbox;
-use crate::worker::{AdvisoryStream, NoState, Stats, WorkerBuilder, ensure_advisory_stream};
+use crate::worker::{AdvisoryStream, NoState, Stats, WorkerBuilder};
 use async_nats::jetstream;
 use durable::resolve;
 use futures::future::BoxFuture;
 use health::HealthInner;
 use pool::{Ask, check_unique, split_pool};
+use start::{check_backstop, check_relay, own_connection};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 /// What each handler of an [`App`] did, by consumer name.
@@ -405,129 +406,6 @@ impl<DB: InboxBackend> App<DB> {
 
 /// What [`App::start`] hands to the run: each handler's worker, and the relays.
 type Started<DB> = (Vec<(&'static str, Run)>, Vec<Relay<DB>>);
-
-/// Checks `relay`'s streams, waiting out JetStream being unavailable (starting, or electing a
-/// leader) with capped backoff, until `shutdown`.
-async fn check_relay<DB: InboxBackend>(
-    js: &jetstream::Context,
-    relay: &Relay<DB>,
-    shutdown: &CancellationToken,
-) -> Result<(), AppError> {
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-    loop {
-        let checked = tokio::select! {
-            checked = relay.check(js) => checked,
-            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-        };
-        match checked {
-            Ok(()) => return Ok(()),
-            Err(RelayError::Nats {
-                transient: true,
-                what,
-                source,
-            }) => {
-                let wait = backoff.next();
-                tracing::warn!(error = %source, retry_in = ?wait, "{what}; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-                    _ = tokio::time::sleep(wait) => {}
-                }
-            }
-            Err(source) => return Err(AppError::Relay { source }),
-        }
-    }
-}
-
-/// Opens `consumer`'s own connection with `connect`, waiting out failures with capped backoff,
-/// until `shutdown`.
-async fn own_connection(
-    connect: &Connect,
-    consumer: &str,
-    shutdown: &CancellationToken,
-) -> Result<jetstream::Context, AppError> {
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-    loop {
-        let opened = tokio::select! {
-            opened = connect() => opened,
-            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-        };
-        match opened {
-            Ok(js) => return Ok(js),
-            Err(e) => {
-                let wait = backoff.next();
-                tracing::warn!(consumer, error = %e, retry_in = ?wait, "opening the handler's NATS connection failed; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-                    _ = tokio::time::sleep(wait) => {}
-                }
-            }
-        }
-    }
-}
-
-/// Creates or checks the backstop's advisory stream before the handler of `stream` starts, so
-/// that a stream that cannot take the advisories refuses the start; waits out JetStream being
-/// unavailable, until `shutdown`.
-async fn check_backstop(
-    js: &jetstream::Context,
-    which: &AdvisoryStream,
-    durable: &Durable,
-    shutdown: &CancellationToken,
-) -> Result<(), AppError> {
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
-    let stream = durable.stream();
-    loop {
-        let checked = async {
-            let replicas = js
-                .get_stream(stream)
-                .await?
-                .cached_info()
-                .config
-                .num_replicas;
-            ensure_advisory_stream(js, which, stream, durable.name(), replicas).await
-        };
-        let checked = tokio::select! {
-            checked = checked => checked,
-            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-        };
-        let Err(source) = checked else {
-            return Ok(());
-        };
-        let what = format!(
-            "the delivery-limit backstop of consumer {:?}",
-            durable.name()
-        );
-        if !crate::error::chain(source.as_ref()).any(is_unavailable) {
-            return Err(AppError::Nats { what, source });
-        }
-        let wait = backoff.next();
-        tracing::warn!(error = %source, retry_in = ?wait, "{what}; retrying");
-        tokio::select! {
-            _ = shutdown.cancelled() => return Err(AppError::Cancelled),
-            _ = tokio::time::sleep(wait) => {}
-        }
-    }
-}
-
-/// Whether `e` is JetStream not answering yet (a timeout, no responders, a 503).
-fn is_unavailable(e: &(dyn std::error::Error + 'static)) -> bool {
-    use async_nats::jetstream::context::{CreateStreamErrorKind, GetStreamErrorKind};
-    if let Some(e) = e.downcast_ref::<async_nats::jetstream::context::GetStreamError>() {
-        return match e.kind() {
-            GetStreamErrorKind::Request => true,
-            GetStreamErrorKind::JetStream(e) => crate::error::unavailable(&e),
-            _ => false,
-        };
-    }
-    if let Some(e) = e.downcast_ref::<async_nats::jetstream::context::CreateStreamError>() {
-        return match e.kind() {
-            CreateStreamErrorKind::TimedOut | CreateStreamErrorKind::JetStreamUnavailable => true,
-            CreateStreamErrorKind::JetStream(e) => crate::error::unavailable(&e),
-            _ => false,
-        };
-    }
-    false
-}
 
 /// SIGINT or SIGTERM (Ctrl-C elsewhere than Unix).
 async fn shutdown_signal() {

@@ -36,6 +36,7 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 /// Which stream keeps a consumer's delivery-limit advisories.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,15 +91,21 @@ enum Done {
     Stale,
 }
 
-/// Creates the advisory stream of `durable` of `stream` if it is missing (with `replicas`
-/// replicas), or checks that the existing one takes its advisories. Returns its name.
+/// Creates the advisory stream of `durable` of `stream` if it is missing (with as many replicas
+/// as `stream`, so that advisories are as safe as the messages they stand for), or checks that
+/// the existing one takes its advisories. Returns its name.
 pub(crate) async fn ensure_stream(
     js: &jetstream::Context,
     which: &AdvisoryStream,
     stream: &str,
     durable: &str,
-    replicas: usize,
 ) -> Result<String, async_nats::Error> {
+    let replicas = js
+        .get_stream(stream)
+        .await?
+        .cached_info()
+        .config
+        .num_replicas;
     // A named stream may serve the consumers of several streams: made, it takes them all.
     let (name, subject) = match which {
         AdvisoryStream::PerStream => (
@@ -197,18 +204,9 @@ pub(super) async fn ready<H: Handler>(
     let js = &inner.backstop_js;
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
     loop {
-        let made = async {
-            let replicas = js
-                .get_stream(stream)
-                .await?
-                .cached_info()
-                .config
-                .num_replicas;
-            ensure_stream(js, advisories, stream, durable, replicas).await
-        };
         let failed = tokio::select! {
             _ = shutdown.cancelled() => return,
-            made = made => match made {
+            made = ensure_stream(js, advisories, stream, durable) => match made {
                 Ok(_) => return,
                 Err(e) => e,
             },
@@ -258,13 +256,7 @@ impl<H: Handler> Inner<H> {
     ) -> async_nats::Error {
         let js = &self.backstop_js;
         let consumer = async {
-            let replicas = js
-                .get_stream(stream)
-                .await?
-                .cached_info()
-                .config
-                .num_replicas;
-            let advisories = ensure_stream(js, advisories, stream, durable, replicas).await?;
+            let advisories = ensure_stream(js, advisories, stream, durable).await?;
             backstop_consumer(js, &advisories, stream, durable).await
         };
         let consumer = match consumer.await {
@@ -303,13 +295,32 @@ impl<H: Handler> Inner<H> {
                 return;
             }
         };
-        let answer = match self.backstop(&advisory).await {
+        // Every line logged for this advisory names its consumer, stream and sequence.
+        let span = tracing::info_span!(
+            "inbox.backstop",
+            consumer = H::CONSUMER,
+            stream = %advisory.stream,
+            seq = advisory.stream_seq,
+        );
+        let answer = match self.backstop(&advisory).instrument(span.clone()).await {
             Ok(done) => {
-                tracing::debug!(consumer = H::CONSUMER, stream = %advisory.stream, seq = advisory.stream_seq, ?done, "delivery-limit advisory handled");
+                let _in = span.enter();
+                match done {
+                    Done::Stale => tracing::info!(
+                        "a delivery-limit advisory older than the stream or consumer it names; ignored"
+                    ),
+                    Done::Gone => tracing::warn!(
+                        "a message reached its delivery limit without a verdict, and its stream no longer holds it: it cannot be dead-lettered"
+                    ),
+                    Done::Committed | Done::Lettered => {
+                        tracing::debug!(?done, "delivery-limit advisory handled")
+                    }
+                }
                 AckKind::Ack
             }
             Err(e) => {
-                tracing::warn!(consumer = H::CONSUMER, stream = %advisory.stream, seq = advisory.stream_seq, error = %e, "delivery-limit backstop failed; trying again");
+                let _in = span.enter();
+                tracing::warn!(error = %e, "delivery-limit backstop failed; trying again");
                 AckKind::Nak(Some(Duration::from_secs(5)))
             }
         };
@@ -349,22 +360,10 @@ impl<H: Handler> Inner<H> {
     async fn backstop(&self, advisory: &Advisory) -> Result<Done, async_nats::Error> {
         let js = &self.backstop_js;
         if self.is_stale(advisory).await? {
-            tracing::info!(
-                consumer = H::CONSUMER,
-                stream = %advisory.stream,
-                seq = advisory.stream_seq,
-                "a delivery-limit advisory older than the stream or consumer it names; ignored"
-            );
             return Ok(Done::Stale);
         }
         let lookup = Lookup::Sequence(advisory.stream_seq);
         let Some(stored) = stored::read(js, &advisory.stream, lookup).await? else {
-            tracing::warn!(
-                consumer = H::CONSUMER,
-                stream = %advisory.stream,
-                seq = advisory.stream_seq,
-                "a message reached its delivery limit without a verdict, and its stream no longer holds it: it cannot be dead-lettered"
-            );
             return Ok(Done::Gone);
         };
         let headers = stored.headers();
@@ -409,9 +408,6 @@ impl<H: Handler> Inner<H> {
             .await?;
         crate::metrics::backstop_lettered(H::CONSUMER);
         tracing::error!(
-            consumer = H::CONSUMER,
-            stream = %advisory.stream,
-            seq = advisory.stream_seq,
             unreadable_headers = headers.unreadable.len(),
             error = %why,
             "message dead-lettered by the delivery-limit backstop"

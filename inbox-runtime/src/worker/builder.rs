@@ -56,7 +56,6 @@ pub struct WorkerBuilder<DB: InboxBackend> {
     /// before any consumer is resolved; never built.
     consumer: Option<PullConsumer>,
     options: Options,
-    cleanup_stream: Option<stream::Stream>,
     /// Where the backstop reads, when not on the pull connection.
     backstop_on: Option<jetstream::Context>,
 }
@@ -70,7 +69,6 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             jetstream: jetstream.clone(),
             consumer: Some(consumer),
             options: Options::default(),
-            cleanup_stream: None,
             backstop_on: None,
         }
     }
@@ -83,7 +81,6 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             jetstream: jetstream.clone(),
             consumer: None,
             options: Options::default(),
-            cleanup_stream: None,
             backstop_on: None,
         }
     }
@@ -190,7 +187,6 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// messages are gone and `retention` has passed.
     pub fn cleanup(mut self, retention: Duration, stream: &stream::Stream) -> Self {
         self.options.cleanup = Some((retention, stream.cached_info().config.clone()));
-        self.cleanup_stream = Some(stream.clone());
         self
     }
 
@@ -340,7 +336,6 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             state,
             settings,
             (dead_letter_stream, dead_letter_prefix),
-            self.cleanup_stream,
         ))
     }
 }

@@ -140,8 +140,6 @@ struct Inner<H: Handler> {
     /// Where the backstop reads and writes (the app's connection in an `App`, which pulls no
     /// stored message; else `jetstream`).
     backstop_js: async_nats::jetstream::Context,
-    /// The consumer's stream, when cleanup was asked for.
-    cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
 }
 
 impl<H: Handler> Worker<H> {
@@ -157,7 +155,6 @@ impl<H: Handler> Worker<H> {
         state: H::State,
         settings: Settings,
         (dlq_stream, dlq_prefix): (String, String),
-        cleanup_stream: Option<async_nats::jetstream::stream::Stream>,
     ) -> Self {
         let source = consumer.cached_info().stream_name.clone();
         Worker {
@@ -176,7 +173,6 @@ impl<H: Handler> Worker<H> {
                 settings,
                 jetstream,
                 backstop_js,
-                cleanup_stream,
             }),
         }
     }
@@ -233,11 +229,8 @@ where
             "inbox worker started"
         );
         let tasks = TaskTracker::new();
-        if let (Some(schedule), Some(stream)) =
-            (self.inner.settings.cleanup, &self.inner.cleanup_stream)
-        {
+        if let Some(schedule) = self.inner.settings.cleanup {
             let inbox = self.inner.inbox.clone();
-            let _ = stream;
             let progress = (self.inner.jetstream.clone(), self.inner.consumer.clone());
             let stop = shutdown.clone();
             tasks.spawn(upkeep::clean_up(

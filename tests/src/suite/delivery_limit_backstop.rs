@@ -78,15 +78,14 @@ async fn instance<B: TestBackend>(
     (worker, run)
 }
 
-/// A process killed while it holds a message on its last delivery: the message is dead-lettered,
-/// once, with two instances running the backstop and the advisory repeated; the advisory is kept
-/// while no instance runs.
-async fn a_death_on_the_last_delivery_is_dead_lettered_once<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
-    let nats = NatsStream::create().await;
-    let consumer = nats.consumer_with("c", Duration::from_secs(1), 1).await;
-    // A first instance creates the advisory stream, and stops.
-    let (_, first) = instance::<B>(&nats, &inbox, "c").await;
+/// Runs a first instance of `durable`'s worker with the backstop until it has made its advisory
+/// stream, then stops it; returns the stream's name.
+async fn advisory_stream_made<B: TestBackend>(
+    nats: &NatsStream,
+    inbox: &Inbox<B::Db>,
+    durable: &str,
+) -> String {
+    let (_, first) = instance::<B>(nats, inbox, durable).await;
     let advisory_stream = inbox_runtime::advisory_stream_name(&nats.stream);
     wait_until("the advisory stream", Duration::from_secs(30), async || {
         nats.js.get_stream(&advisory_stream).await.is_ok()
@@ -94,6 +93,17 @@ async fn a_death_on_the_last_delivery_is_dead_lettered_once<B: TestBackend>() {
     .await
     .unwrap();
     first.stop().await;
+    advisory_stream
+}
+
+/// A process killed while it holds a message on its last delivery: the message is dead-lettered,
+/// once, with two instances running the backstop and the advisory repeated; the advisory is kept
+/// while no instance runs.
+async fn a_death_on_the_last_delivery_is_dead_lettered_once<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer_with("c", Duration::from_secs(1), 1).await;
+    let advisory_stream = advisory_stream_made::<B>(&nats, &inbox, "c").await;
 
     let payload = Entry::new("k-1", 1, 5).json();
     nats.publish_all([payload.clone()]).await;
@@ -139,14 +149,7 @@ async fn committed_but_unacked_on_the_last_delivery_is_not_dead_lettered<B: Test
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer_with("c", Duration::from_secs(1), 1).await;
-    let (_, first) = instance::<B>(&nats, &inbox, "c").await;
-    let advisory_stream = inbox_runtime::advisory_stream_name(&nats.stream);
-    wait_until("the advisory stream", Duration::from_secs(30), async || {
-        nats.js.get_stream(&advisory_stream).await.is_ok()
-    })
-    .await
-    .unwrap();
-    first.stop().await;
+    advisory_stream_made::<B>(&nats, &inbox, "c").await;
 
     let (done, lost) = (Entry::new("done", 1, 5), Entry::new("lost", 2, 7));
     nats.publish_all([done.json(), lost.json()]).await;
@@ -272,15 +275,13 @@ async fn unreadable_headers_are_dead_lettered<B: TestBackend>() {
     )
     .await
     .unwrap();
-    let pass = inbox
-        .cleanup_behind(
-            "credit",
-            &poisoned.js,
-            &credit,
-            Duration::from_secs(3600),
-            100,
-        )
-        .await;
+    let cleanup = async || {
+        let retention = Duration::from_secs(3600);
+        inbox
+            .cleanup_behind("credit", &poisoned.js, &credit, retention, 100)
+            .await
+    };
+    let pass = cleanup().await;
     assert!(pass.is_ok(), "cleanup behind the poison: {pass:?}");
 
     // Within max_deliver × ack_wait and a few seconds, the three letters; the other handler
@@ -332,15 +333,7 @@ async fn unreadable_headers_are_dead_lettered<B: TestBackend>() {
         0,
         "the other handler's connection was never interrupted"
     );
-    let pass = inbox
-        .cleanup_behind(
-            "credit",
-            &poisoned.js,
-            &credit,
-            Duration::from_secs(3600),
-            100,
-        )
-        .await;
+    let pass = cleanup().await;
     assert!(pass.is_ok(), "cleanup after: {pass:?}");
     shutdown.cancel();
     running.await.unwrap().unwrap();
@@ -353,14 +346,7 @@ async fn an_advisory_of_an_earlier_consumer_is_ignored<B: TestBackend>() {
     let (db, inbox) = setup::<B>(4).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer_with("c", Duration::from_secs(1), 1).await;
-    let (_, first) = instance::<B>(&nats, &inbox, "c").await;
-    let advisory_stream = inbox_runtime::advisory_stream_name(&nats.stream);
-    wait_until("the advisory stream", Duration::from_secs(30), async || {
-        nats.js.get_stream(&advisory_stream).await.is_ok()
-    })
-    .await
-    .unwrap();
-    first.stop().await;
+    let advisory_stream = advisory_stream_made::<B>(&nats, &inbox, "c").await;
     nats.publish_all([Entry::new("old", 1, 5).json()]).await;
     take_and_die(&consumer, 1).await;
     // The server publishes the advisory once the consumer is pulled from again.
