@@ -123,7 +123,7 @@ impl LastDeliveryHold {
 ///
 /// A credit that would take a balance below zero violates the `accounts` CHECK constraint: a
 /// genuine error that rolls back the marker (and the announcement) too, never a duplicate.
-#[idempotent(consumer = "credit", key = msg.id)]
+#[idempotent(consumer = "credit", key = msg.id, lane = msg.account)]
 pub async fn credit_postgres(
     msg: CreditRequested,
     tx: &mut Tx<Postgres>,
@@ -143,7 +143,7 @@ pub async fn credit_postgres(
 }
 
 /// [`credit_postgres`] for MySQL and MariaDB.
-#[idempotent(consumer = "credit", key = msg.id)]
+#[idempotent(consumer = "credit", key = msg.id, lane = msg.account)]
 pub async fn credit_mysql(
     msg: CreditRequested,
     tx: &mut Tx<MySql>,
@@ -163,7 +163,7 @@ pub async fn credit_mysql(
 }
 
 /// [`credit_postgres`] for SQLite.
-#[idempotent(consumer = "credit", key = msg.id)]
+#[idempotent(consumer = "credit", key = msg.id, lane = msg.account)]
 pub async fn credit_sqlite(
     msg: CreditRequested,
     tx: &mut Tx<Sqlite>,

@@ -1,4 +1,5 @@
-//! Parsing of the attribute's arguments: `consumer = "name", key = <expr>`.
+//! Parsing of the attribute's arguments: `consumer = "name", key = <expr>`, `lane = <expr>`,
+//! `codec = <type>`, `claim`.
 
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, LitStr, Token};
@@ -8,17 +9,21 @@ mod kw {
     syn::custom_keyword!(key);
     syn::custom_keyword!(claim);
     syn::custom_keyword!(codec);
+    syn::custom_keyword!(lane);
 }
 
 /// The longest consumer name the inbox table's `consumer` column holds.
 pub const MAX_CONSUMER_LEN: usize = 200;
 
-const VALID: &str = "valid arguments are `consumer = \"...\"`, `key = <expression>`, `codec = <type>` (default `Json`) and `claim` (two-phase)";
+const VALID: &str = "valid arguments are `consumer = \"...\"`, `key = <expression>`, `lane = <expression>` (what the handler locks, for batches), `codec = <type>` (default `Json`) and `claim` (two-phase)";
 
 /// The arguments as written, each at most once.
 pub struct Args {
     pub consumer: Option<LitStr>,
     pub key: Option<Expr>,
+    /// `lane = <expr>`: what the handler locks (an account), so that batches take locks in one
+    /// order.
+    pub lane: Option<Expr>,
     /// `claim`: a two-phase handler, for side effects outside the database.
     pub claim: Option<proc_macro2::Span>,
     /// `codec = Raw`: how the payload decodes (default `::inbox_runtime::Json`).
@@ -33,6 +38,7 @@ impl Parse for Args {
         let mut args = Args {
             consumer: None,
             key: None,
+            lane: None,
             claim: None,
             codec: None,
             errors: None,
@@ -61,6 +67,15 @@ impl Parse for Args {
                     push(syn::Error::new(name.span, "`key` set multiple times"));
                 } else {
                     args.key = Some(value);
+                }
+            } else if lookahead.peek(kw::lane) {
+                let name = input.parse::<kw::lane>()?;
+                input.parse::<Token![=]>()?;
+                let value: Expr = input.parse()?;
+                if args.lane.is_some() {
+                    push(syn::Error::new(name.span, "`lane` set multiple times"));
+                } else {
+                    args.lane = Some(value);
                 }
             } else if lookahead.peek(kw::codec) {
                 let name = input.parse::<kw::codec>()?;

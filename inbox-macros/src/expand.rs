@@ -138,7 +138,37 @@ pub fn expand(h: &Handler) -> TokenStream {
         };
         handler_impl(name, &types, key_body, never, extra)
     } else {
-        handler_impl(name, &types, key_body, handle_body, TokenStream::new())
+        let lane = h.lane.as_ref().map(|expr| {
+            // Like the key: the expression sees the message, delivery and state by reference.
+            let pat = &h.message.pat;
+            let body = quote_spanned! {expr.span()=>
+                #[allow(unused_variables, unused_mut)]
+                let #pat = #msg_var;
+                #state_bind
+                #delivery_bind
+                #rt::lane_of(&(#expr))
+            };
+            quote! {
+                const LANED: bool = true;
+
+                #[allow(clippy::needless_borrow)]
+                fn lane(
+                    &self,
+                    __inbox_msg: &Self::Message,
+                    __inbox_delivery: &#rt::Delivery,
+                    __inbox_state: &Self::State,
+                ) -> ::core::option::Option<#rt::Lane> {
+                    #body
+                }
+            }
+        });
+        handler_impl(
+            name,
+            &types,
+            key_body,
+            handle_body,
+            lane.unwrap_or_default(),
+        )
     };
     quote! {
         #unit

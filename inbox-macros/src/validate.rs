@@ -20,6 +20,8 @@ pub struct Handler {
     pub func: ItemFn,
     pub consumer: LitStr,
     pub key: Option<Expr>,
+    /// `lane = <expr>`, when given.
+    pub lane: Option<Expr>,
     pub message: Param,
     pub tx: Param,
     /// The database type named in the transaction argument (`Postgres` in `&mut Tx<Postgres>`).
@@ -89,21 +91,28 @@ const TX_HINT: &str = "add a transaction argument such as `tx: &mut Tx<Postgres>
 pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<Invalid>> {
     let mut errors = Errors::default();
     let sig = &func.sig;
-    let (consumer, key, claim, codec) = match args {
+    let (consumer, key, lane, claim, codec) = match args {
         Ok(args) => {
             if let Some(e) = args.errors {
                 errors.add(e);
             }
+            if let (Some(lane), Some(_)) = (&args.lane, args.claim) {
+                errors.push(
+                    lane.span(),
+                    "`lane` orders batches, and a two-phase handler (`claim`) is never batched: remove `lane`",
+                );
+            }
             (
                 check_consumer(args.consumer, &mut errors),
                 args.key,
+                args.lane,
                 args.claim,
                 args.codec,
             )
         }
         Err(e) => {
             errors.add(e);
-            (None, None, None, None)
+            (None, None, None, None, None)
         }
     };
 
@@ -271,6 +280,7 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
         arity: sig.inputs.len(),
         consumer: consumer.expect("checked above"),
         key,
+        lane,
         message: message.expect("checked above"),
         tx,
         db: db.expect("checked above"),

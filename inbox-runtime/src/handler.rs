@@ -5,6 +5,7 @@ use crate::claim::Claim;
 use crate::delivery::{Codec, Delivery};
 use crate::error::BoxError;
 use crate::key::{KeyError, validate_key};
+use crate::lane::Lane;
 use sqlx::Transaction;
 use std::future::Future;
 
@@ -80,6 +81,23 @@ pub trait Handler: Send + Sync + 'static {
         delivery: &Delivery,
         state: &Self::State,
     ) -> Result<Option<String>, KeyError>;
+
+    /// Whether the handler names lanes (`#[idempotent(.., lane = ..)]`): a batched worker then
+    /// routes each message by its [`Handler::lane`] (see [`Lane`]). `false` by default.
+    const LANED: bool = false;
+
+    /// The message's lane: what its handler locks (an account, a product), so that batches take
+    /// their locks in one order and one lane never sits in two batches of a worker at once.
+    /// `None` (the default): no lane.
+    fn lane(
+        &self,
+        message: &Self::Message,
+        delivery: &Delivery,
+        state: &Self::State,
+    ) -> Option<Lane> {
+        let _ = (message, delivery, state);
+        None
+    }
 
     /// Whether this is a two-phase handler (`#[idempotent(.., claim)]`), for side effects
     /// outside the database: the runtime then claims the key with a lease and commits, calls

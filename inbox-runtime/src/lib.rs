@@ -7,8 +7,8 @@ compile_error!(
 );
 
 // The layers, lowest first (ARCHITECTURE.md, "Layers"; `tests/layers.rs` fails on an import
-// that goes up a layer or closes a circle): core (`error`, `key`, `backoff`, `metrics`, `layout`,
-// `wake`, `periodic`), backend (`backend`), the handler contract (`delivery`, `handler`,
+// that goes up a layer or closes a circle): core (`error`, `key`, `lane`, `backoff`, `metrics`,
+// `layout`, `wake`, `periodic`), backend (`backend`), the handler contract (`delivery`, `handler`,
 // `claim`), the store (`store`, `classify`), worker and outbox (`worker`, `outbox`), app (`app`).
 mod app;
 mod backend;
@@ -19,6 +19,7 @@ mod delivery;
 mod error;
 mod handler;
 mod key;
+mod lane;
 mod layout;
 pub mod metrics;
 mod outbox;
@@ -46,6 +47,7 @@ pub use delivery::{Codec, Delivery, Json, Raw, TraceParent};
 pub use error::{BoxError, ProcessError, Stage};
 pub use handler::{Handler, Outcome};
 pub use key::{KeyError, MAX_KEY_LEN, ToMessageKey, validate_key};
+pub use lane::{Lane, LaneOf};
 pub use layout::Partitions;
 #[cfg(feature = "test-util")]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
@@ -126,6 +128,12 @@ pub mod __private {
 
     pub use crate::delivery::{Delivery, Json};
     pub use crate::key::{KeyError, KeyOf};
+    pub use crate::lane::{Lane, LaneOf};
+
+    /// The lane expression's value.
+    pub fn lane_of<L: LaneOf + ?Sized>(lane: &L) -> Option<Lane> {
+        lane.lane_of()
+    }
 
     /// The key expression's value as stored; `expr` is the expression as written.
     pub fn key_of<K: KeyOf + ?Sized>(key: &K, expr: &'static str) -> Result<String, KeyError> {

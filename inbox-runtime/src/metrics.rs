@@ -15,6 +15,8 @@
 //! | `inbox_cleanup_last_success_timestamp_seconds` | gauge | Unix time of the last cleanup pass that ran (lag: now minus this) |
 //! | `inbox_open_claims` | gauge | two-phase: claims open past the sweeper's threshold |
 //! | `inbox_oldest_open_claim_seconds` | gauge | two-phase: age of the oldest of them (0 when none) |
+//! | `inbox_batch_conflicts_total` | counter | batched: tries of a batch ended by a conflict with another transaction (deadlock, serialization failure, lock timeout, busy); give the handler a `lane` when it moves |
+//! | `inbox_batch_retries_total` | counter | batched: tries of a whole batch again after such a conflict |
 //! | `inbox_backstop_letters_total` | counter | messages dead-lettered by the delivery-limit backstop (their last delivery ended without a verdict) |
 //!
 //! A [`Relay`](crate::Relay)'s series have the label `outbox` (the outbox's table) instead:
@@ -48,6 +50,10 @@ pub const OPEN_CLAIMS: &str = "inbox_open_claims";
 /// `inbox_oldest_open_claim_seconds`.
 pub const OLDEST_OPEN_CLAIM: &str = "inbox_oldest_open_claim_seconds";
 
+/// `inbox_batch_conflicts_total`.
+pub const BATCH_CONFLICTS: &str = "inbox_batch_conflicts_total";
+/// `inbox_batch_retries_total`.
+pub const BATCH_RETRIES: &str = "inbox_batch_retries_total";
 /// `inbox_backstop_letters_total`.
 pub const BACKSTOP_LETTERS: &str = "inbox_backstop_letters_total";
 
@@ -93,6 +99,14 @@ pub(crate) fn describe() {
         "Age of the oldest claim open past the threshold."
     );
     describe_counter!(
+        BATCH_CONFLICTS,
+        "Tries of a batch ended by a conflict with another transaction."
+    );
+    describe_counter!(
+        BATCH_RETRIES,
+        "Tries of a whole batch again after a conflict."
+    );
+    describe_counter!(
         BACKSTOP_LETTERS,
         "Messages dead-lettered by the delivery-limit backstop."
     );
@@ -110,6 +124,8 @@ pub(crate) struct Handles {
     nak: Counter,
     dead_letter: Counter,
     retries: Counter,
+    batch_conflicts: Counter,
+    batch_retries: Counter,
     handler_seconds: Histogram,
     claim_wait: Histogram,
     in_flight: Gauge,
@@ -125,6 +141,8 @@ impl Handles {
             nak: outcome("nak"),
             dead_letter: outcome("dead_letter"),
             retries: metrics::counter!(RETRIES, "consumer" => consumer),
+            batch_conflicts: metrics::counter!(BATCH_CONFLICTS, "consumer" => consumer),
+            batch_retries: metrics::counter!(BATCH_RETRIES, "consumer" => consumer),
             handler_seconds: metrics::histogram!(HANDLER_SECONDS, "consumer" => consumer),
             claim_wait: metrics::histogram!(CLAIM_WAIT_SECONDS, "consumer" => consumer),
             in_flight: metrics::gauge!(IN_FLIGHT, "consumer" => consumer),
@@ -145,6 +163,12 @@ impl Handles {
     /// Counts one in-process retry.
     pub(crate) fn retried(&self) {
         self.retries.increment(1);
+    }
+
+    /// Counts a batch's tries ended by conflicts, and its tries again.
+    pub(crate) fn batch_conflicts(&self, conflicts: u32, retries: u32) {
+        self.batch_conflicts.increment(u64::from(conflicts));
+        self.batch_retries.increment(u64::from(retries));
     }
 
     /// Records one try's duration (of one delivery, or of one batch).

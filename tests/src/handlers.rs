@@ -337,6 +337,13 @@ macro_rules! backend_handlers {
             upsert.execute(&mut **tx).await.map(drop)
         }
 
+        /// [`credit`], laned by the account it locks: batches take accounts in one order.
+        #[idempotent(consumer = "credit_laned", key = msg.key, lane = msg.account)]
+        pub async fn credit_laned(msg: Entry, tx: &mut Tx<$db>) -> Result<(), sqlx::Error> {
+            let upsert = sqlx::query($credit).bind(msg.account).bind(msg.amount);
+            upsert.execute(&mut **tx).await.map(drop)
+        }
+
         /// Two-phase: calls the [`Remote`] with the claim's idempotency key, then appends a
         /// ledger row that commits with "done".
         #[idempotent(consumer = "remote", key = msg.key, claim)]

@@ -20,6 +20,11 @@ pub(crate) struct InboxStatements {
     pub done: SqlStr,
     /// See `Backend::begin_sql`.
     pub begin: SqlStr,
+    /// BEGIN for a batch of a handler without lanes, whose lock waits may be a deadlock's:
+    /// waits at most [`UNLANED_LOCK_WAIT`] (or the inbox's lock timeout, when shorter), so that
+    /// a deadlock ends in that time rather than PostgreSQL's `deadlock_timeout` (1 s), and the
+    /// batch is tried again.
+    pub begin_unlaned: SqlStr,
     /// Binds consumer, headers (JSON), payload: parks a dead letter in `<table>_dead_letters`.
     pub park: SqlStr,
     /// Binds consumer: the oldest parked letters (id, headers, payload).
@@ -129,6 +134,9 @@ impl ClaimStatements {
     }
 }
 
+/// The longest lock wait of a batch without lanes (see `InboxStatements::begin_unlaned`).
+pub(crate) const UNLANED_LOCK_WAIT: Duration = Duration::from_millis(200);
+
 impl InboxStatements {
     pub(crate) fn new<DB: InboxBackend>(
         table: &TableName,
@@ -137,6 +145,7 @@ impl InboxStatements {
     ) -> Self {
         InboxStatements {
             begin: DB::begin_sql(lock_timeout),
+            begin_unlaned: DB::begin_sql(lock_timeout.min(UNLANED_LOCK_WAIT)),
             park: sql(format!(
                 "INSERT INTO {table}_dead_letters (consumer, headers, payload) VALUES ({}, {}, {})",
                 DB::param(1),

@@ -7,9 +7,12 @@
 //! message fails there, the whole transaction is rolled back and the batch is tried again with a
 //! SAVEPOINT per message (`process_in` inside a nested transaction): a failing message is rolled
 //! back to its savepoint and left out, to be handled alone by the caller (its retries, nak or
-//! dead letter exactly as one message), while the others commit together. A failure that may
-//! have ended the whole transaction (a transient error: deadlock, serialization failure, lock
-//! timeout, busy; or a savepoint that cannot be rolled back to), a failed BEGIN or a COMMIT
+//! dead letter exactly as one message), while the others commit together.
+//!
+//! A conflict with another transaction (deadlock, serialization failure, lock timeout, busy:
+//! a transient error, which may have ended the whole transaction) is no message's fault: the
+//! whole batch is tried again after a short jittered wait, up to [`CONFLICT_TRIES`] tries, and
+//! only then goes alone. A savepoint that cannot be rolled back to, a failed BEGIN or a COMMIT
 //! whose outcome is unknown leaves every message of the batch to be handled alone, where the
 //! marker decides again: nothing is acked on a guess.
 //!
@@ -24,6 +27,10 @@ use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome};
 use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+/// How many times a batch is tried when conflicts with other transactions end its tries.
+pub(crate) const CONFLICT_TRIES: u32 = 4;
 
 /// How one message of a batch ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,11 +42,25 @@ pub(crate) enum Batched {
     Alone,
 }
 
+/// How a batch ended: each message's end, in order, and what it met on the way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct BatchEnd {
+    /// How each message ended, in the batch's order.
+    pub ended: Vec<Batched>,
+    /// Tries ended by a conflict with another transaction (deadlock, serialization failure,
+    /// lock timeout, busy).
+    pub conflicts: u32,
+    /// Tries of the whole batch after such a conflict.
+    pub retries: u32,
+}
+
 /// Why a try of the batch ended without its COMMIT.
 enum Failed {
     /// Some message failed (the one at this index, when known): try again with a savepoint per
     /// message, leaving that one out without running it again.
     OneMessage(Option<usize>),
+    /// A conflict with another transaction ended the try: the batch may be tried again.
+    Conflict,
     /// The transaction as a whole failed: every message goes alone.
     Whole,
 }
@@ -58,25 +79,72 @@ impl<DB: InboxBackend> Inbox<DB> {
         deliveries: &[&Delivery],
         decoded: Vec<H::Message>,
         message: impl Fn(usize) -> Option<H::Message>,
-    ) -> Vec<Batched>
+    ) -> BatchEnd
     where
         H: Handler<Db = DB>,
     {
+        let mut end = BatchEnd {
+            ended: vec![Batched::Alone; keys.len()],
+            conflicts: 0,
+            retries: 0,
+        };
         if deliveries.len() != keys.len() {
-            return vec![Batched::Alone; keys.len()];
+            return end;
         }
         // The relay of every outbox the handlers wrote to is woken once the batch commits.
         // Boxed, as in `process_keyed`: a large future, kept off the stack.
         crate::wake::scope(Box::pin(async {
-            let lean = self.batch_lean(handler, state, keys, deliveries, decoded);
-            let culprit = match lean.await {
-                Ok(done) => return done,
-                Err(Failed::Whole) => return vec![Batched::Alone; keys.len()],
-                Err(Failed::OneMessage(culprit)) => culprit,
-            };
-            self.batch_with_savepoints(handler, state, keys, deliveries, culprit, &message)
-                .await
-                .unwrap_or_else(|_| vec![Batched::Alone; keys.len()])
+            let backoff =
+                crate::backoff::Backoff::new(Duration::from_millis(5), Duration::from_millis(100))
+                    .with_jitter();
+            let mut decoded = Some(decoded);
+            // The message that failed a lean try (`Some(None)`: one, not known which): later
+            // tries go with savepoints, leaving it out.
+            let mut culprit: Option<Option<usize>> = None;
+            for attempt in 0..CONFLICT_TRIES {
+                if attempt > 0 {
+                    end.retries += 1;
+                    tokio::time::sleep(backoff.delay(attempt - 1)).await;
+                }
+                let tried = match culprit {
+                    Some(at) => {
+                        self.batch_with_savepoints(handler, state, keys, deliveries, at, &message)
+                            .await
+                    }
+                    None => {
+                        // Decoded once; again only for a try after a conflict.
+                        let decoded = match decoded.take() {
+                            Some(decoded) => decoded,
+                            None => match (0..keys.len()).map(&message).collect() {
+                                Some(decoded) => decoded,
+                                None => return end,
+                            },
+                        };
+                        match self
+                            .batch_lean(handler, state, keys, deliveries, decoded)
+                            .await
+                        {
+                            Err(Failed::OneMessage(at)) => {
+                                culprit = Some(at);
+                                self.batch_with_savepoints(
+                                    handler, state, keys, deliveries, at, &message,
+                                )
+                                .await
+                            }
+                            tried => tried,
+                        }
+                    }
+                };
+                match tried {
+                    Ok(done) => {
+                        end.ended = done;
+                        return end;
+                    }
+                    Err(Failed::Conflict) => end.conflicts += 1,
+                    Err(Failed::OneMessage(_) | Failed::Whole) => return end,
+                }
+            }
+            end
         }))
         .await
     }
@@ -96,7 +164,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         if decoded.len() != keys.len() {
             return Err(Failed::Whole);
         }
-        let mut tx = DB::begin(self.pool(), self.sql.begin.clone())
+        let mut tx = DB::begin(self.pool(), self.begin_batch::<H>())
             .await
             .map_err(|_| Failed::Whole)?;
         let mut done = Vec::with_capacity(keys.len());
@@ -183,7 +251,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     where
         H: Handler<Db = DB>,
     {
-        let mut tx = DB::begin(self.pool(), self.sql.begin.clone())
+        let mut tx = DB::begin(self.pool(), self.begin_batch::<H>())
             .await
             .map_err(|_| Failed::Whole)?;
         let mut done = Vec::with_capacity(keys.len());
@@ -210,8 +278,8 @@ impl<DB: InboxBackend> Inbox<DB> {
                     done.push(Batched::Done(Outcome::Skip));
                 }
                 Ok(Err(e)) => {
-                    if let Failed::Whole = transient_or_one::<DB>(&e, None) {
-                        return Err(Failed::Whole);
+                    if let Failed::Conflict = transient_or_one::<DB>(&e, None) {
+                        return Err(Failed::Conflict);
                     }
                     savepoint.rollback().await.map_err(|_| Failed::Whole)?;
                     done.push(Batched::Alone);
@@ -227,12 +295,24 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
+impl<DB: InboxBackend> Inbox<DB> {
+    /// A batch's BEGIN: with lanes, batches wait for each other's rows as long as the lock
+    /// timeout allows (they cannot deadlock); without, briefly (a wait may be a deadlock's).
+    fn begin_batch<H: Handler<Db = DB>>(&self) -> sqlx::SqlStr {
+        match H::LANED {
+            true => self.sql.begin.clone(),
+            false => self.sql.begin_unlaned.clone(),
+        }
+    }
+}
+
 /// A transient failure (deadlock, serialization failure, lock timeout, busy, a lost connection)
-/// may have ended the whole transaction (InnoDB rolls it back on a deadlock): the batch goes
-/// alone. Anything else is one message's fault.
+/// may have ended the whole transaction (InnoDB rolls it back on a deadlock): the whole batch is
+/// tried again (a lost connection fails that try's BEGIN, and the batch goes alone). Anything
+/// else is one message's fault.
 fn transient_or_one<DB: InboxBackend>(err: &ProcessError, at: Option<usize>) -> Failed {
     match classify::<DB>(err) {
-        ErrorClass::Transient => Failed::Whole,
+        ErrorClass::Transient => Failed::Conflict,
         _ => Failed::OneMessage(at),
     }
 }

@@ -24,6 +24,7 @@ mod names;
 mod pull;
 mod serve;
 mod serve_batch;
+mod slots;
 mod transport_id;
 mod upkeep;
 mod verdict;
@@ -64,6 +65,11 @@ pub struct Stats {
     /// Two-phase handlers: tries that found the key's claim held by another owner's live lease
     /// (nak'd until it ends; on the last delivery, waited out).
     pub held: u64,
+    /// Batched workers: tries of a batch ended by a conflict with another transaction
+    /// (deadlock, serialization failure, lock timeout, busy). Lanes keep this at zero.
+    pub conflicts: u64,
+    /// Batched workers: tries of a whole batch again after such a conflict.
+    pub batch_retries: u64,
 }
 
 /// Counters of what a worker did, by outcome.
@@ -75,6 +81,8 @@ struct Counters {
     terminated: AtomicU64,
     open_claims: AtomicU64,
     held: AtomicU64,
+    conflicts: AtomicU64,
+    batch_retries: AtomicU64,
 }
 
 /// A JetStream consumer processing messages through an [`Inbox`] with one handler. Cheap to
@@ -205,6 +213,8 @@ impl<H: Handler> Worker<H> {
             terminated: c.terminated.load(Ordering::Relaxed),
             open_claims: c.open_claims.load(Ordering::Relaxed),
             held: c.held.load(Ordering::Relaxed),
+            conflicts: c.conflicts.load(Ordering::Relaxed),
+            batch_retries: c.batch_retries.load(Ordering::Relaxed),
         }
     }
 }

@@ -15,6 +15,7 @@
 
 use super::Inner;
 use super::serve_batch::Waiting;
+use super::slots::{Ready, Slots};
 use crate::backoff::Backoff;
 use crate::handler::Handler;
 use async_nats::StatusCode;
@@ -134,8 +135,14 @@ where
             free: Vec::new(),
             open: Open::default(),
             last_delivery: &mut last_delivery,
-            batch: Vec::new(),
-            batch_due: None,
+            slots: inner.settings.batch.map(|b| {
+                Slots::new(
+                    H::LANED,
+                    inner.settings.connections,
+                    b.max_messages,
+                    b.max_wait,
+                )
+            }),
         };
         match session.pull().await {
             Ok(()) => break,
@@ -159,9 +166,8 @@ struct Session<'a, H: Handler> {
     free: Vec<OwnedSemaphorePermit>,
     open: Open,
     last_delivery: &'a mut u64,
-    /// Deliveries collected for the next batch (batched mode only), and when it is due.
-    batch: Vec<Waiting>,
-    batch_due: Option<Instant>,
+    /// Deliveries collected for the next batches (batched mode only).
+    slots: Option<Slots<Waiting>>,
 }
 
 impl<H> Session<'_, H>
@@ -220,15 +226,16 @@ where
             // A server that sends neither messages nor heartbeats for two heartbeats while
             // requests are open has lost them (restarted, or the connection was replaced).
             let silent_at = (self.open.outstanding > 0).then(|| heard + heartbeat * 2);
+            let batch_due = self.slots.as_ref().and_then(Slots::next_due);
             let next = tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled(), if !stopping => {
                     stopping = true;
-                    self.flush_batch();
+                    self.flush_batches(None);
                     continue;
                 }
-                _ = sleep_until(self.batch_due), if self.batch_due.is_some() => {
-                    self.flush_batch();
+                _ = sleep_until(batch_due), if batch_due.is_some() => {
+                    self.flush_batches(batch_due);
                     continue;
                 }
                 next = subscription.next() => next,
@@ -284,7 +291,7 @@ where
             };
             self.dispatch(message, stopping).await;
         };
-        self.flush_batch();
+        self.flush_batches(None);
         if let Err(e) = subscription.unsubscribe().await {
             tracing::debug!(error = %e, "unsubscribing the pull inbox failed");
         }
@@ -336,12 +343,15 @@ where
             None if !stopping => self.permits.clone().acquire_owned().await.ok(),
             None => None,
         };
-        if let Some(batching) = inner.settings.batch.filter(|_| !stopping) {
-            self.batch.push((message, permit));
-            self.batch_due
-                .get_or_insert_with(|| Instant::now() + batching.max_wait);
-            if self.batch.len() >= batching.max_messages {
-                self.flush_batch();
+        if let Some(slots) = self.slots.as_mut().filter(|_| !stopping) {
+            let slot = match H::LANED {
+                true => inner
+                    .lane(&message)
+                    .map_or(0, |lane| lane.slot(slots.len())),
+                false => 0,
+            };
+            if let Some(ready) = slots.push(slot, (message, permit)) {
+                self.start_batch(ready);
             }
             return;
         }
@@ -350,20 +360,29 @@ where
             .spawn(async move { inner.serve(message, permit, shutdown).await });
     }
 
-    /// Starts the batch collected so far, if any, on a task of its own.
-    fn flush_batch(&mut self) {
-        self.batch_due = None;
-        if self.batch.is_empty() {
-            return;
+    /// Starts the batches due by `due` (all of them with `None`), each on a task of its own.
+    fn flush_batches(&mut self, due: Option<Instant>) {
+        let ready = match self.slots.as_mut() {
+            Some(slots) => slots.take_due(due),
+            None => return,
+        };
+        for ready in ready {
+            self.start_batch(ready);
         }
-        let batch = std::mem::take(&mut self.batch);
+    }
+
+    /// Starts `ready` on a task of its own.
+    fn start_batch(&self, ready: Ready<Waiting>) {
         let (inner, shutdown, tasks) = (
             self.inner.clone(),
             self.shutdown.clone(),
             self.tasks.clone(),
         );
-        self.tasks
-            .spawn(async move { inner.serve_batch(batch, shutdown, tasks).await });
+        self.tasks.spawn(async move {
+            inner
+                .serve_batch(ready.batch, ready.turn, shutdown, tasks)
+                .await
+        });
     }
 }
 

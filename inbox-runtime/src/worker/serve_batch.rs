@@ -1,5 +1,6 @@
 //! A batch of deliveries (see [`WorkerBuilder::batch`](super::WorkerBuilder::batch)): decoded and
-//! keyed, sorted by key, committed in one transaction (`crate::batch`), then acked one by one.
+//! keyed, sorted by lane then key, committed in one transaction (`crate::batch`), then acked one
+//! by one. A laned handler's batch first takes its slot's turn (`slots`).
 //! A delivery that cannot be decoded or keyed, that failed inside the batch, or whose batch as a
 //! whole failed, is served alone, exactly as without batching (retries, nak, dead letter).
 
@@ -8,12 +9,14 @@ use super::serve::with_progress;
 use super::verdict::Verdict;
 use crate::delivery::Delivery;
 use crate::handler::{Handler, Outcome};
+use crate::lane::Lane;
 use crate::store::Batched;
 use async_nats::jetstream::message::Message;
 use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
-use tokio::sync::OwnedSemaphorePermit;
+use std::sync::atomic::Ordering::Relaxed;
+use tokio::sync::{Mutex, OwnedSemaphorePermit};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
@@ -24,10 +27,25 @@ impl<H> Inner<H>
 where
     H: Handler,
 {
+    /// The lane of `message` (laned handlers), read before it joins a batch; `None` when it has
+    /// none, or cannot be decoded (it is then served alone, and its lane does not matter).
+    pub(super) fn lane(&self, message: &Message) -> Option<Lane> {
+        let info = message.info().ok()?;
+        let delivery = Delivery::of(message, &info);
+        std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let decoded = super::serve::decode::<H>(message).ok()?;
+            self.handler.lane(&decoded, &delivery, &self.state)
+        }))
+        .ok()
+        .flatten()
+    }
+
     /// Processes `batch` and answers each of its deliveries; those served alone run on `tasks`.
+    /// With `turn` (a laned handler's slot), the batch runs only while it holds it.
     pub(super) async fn serve_batch(
         self: &Arc<Self>,
         batch: Vec<Waiting>,
+        turn: Option<Arc<Mutex<()>>>,
         shutdown: CancellationToken,
         tasks: TaskTracker,
     ) {
@@ -45,8 +63,16 @@ where
         };
         let _in_flight = self.metrics.get().map(|m| m.in_flight(batch.len()));
         let held: Vec<&Message> = batch.iter().map(|(message, _)| message).collect();
-        let waiting = self.connections.clone().acquire_owned();
-        let connection = with_progress(&held, every, waiting).await;
+        // The slot's turn first (the batch before it in the slot may hold its lanes' rows),
+        // then a connection.
+        let waiting = async {
+            let turn = match turn {
+                Some(turn) => Some(turn.lock_owned().await),
+                None => None,
+            };
+            (turn, self.connections.clone().acquire_owned().await)
+        };
+        let (turn, connection) = with_progress(&held, every, waiting).await;
         drop(held);
         let mut keyed = Vec::with_capacity(batch.len());
         for (message, permit) in batch {
@@ -61,18 +87,30 @@ where
                 .catch_unwind()
                 .await;
             match keyed_one {
-                Ok(Ok((decoded, key))) => keyed.push((key, decoded, (delivery, message, permit))),
+                Ok(Ok((decoded, key))) => {
+                    let lane = match H::LANED {
+                        true => std::panic::catch_unwind(AssertUnwindSafe(|| {
+                            self.handler.lane(&decoded, &delivery, &self.state)
+                        }))
+                        .ok()
+                        .flatten(),
+                        false => None,
+                    };
+                    keyed.push(((lane, key), decoded, (delivery, message, permit)));
+                }
                 Ok(Err(_)) | Err(_) => alone((message, permit)),
             }
         }
         if keyed.is_empty() {
             return;
         }
-        // One order of claims for every instance: twins' batches wait for each other's markers
-        // rather than deadlock on them.
+        // One order of claims and of handlers for every batch of every instance: by lane (what
+        // the handlers lock), then by key. A key always has the same lane, so twins' batches
+        // wait for each other's markers rather than deadlock on them, and batches take the
+        // lanes' rows in one order.
         keyed.sort_by(|a, b| a.0.cmp(&b.0));
         let (mut keys, mut decoded, mut deliveries) = (Vec::new(), Vec::new(), Vec::new());
-        for (key, message, delivery) in keyed {
+        for ((_, key), message, delivery) in keyed {
             keys.push(key);
             decoded.push(message);
             deliveries.push(delivery);
@@ -97,10 +135,30 @@ where
         if let Some(m) = self.metrics.get() {
             m.tried(started.elapsed());
         }
-        // The connection is free once the batch has committed: answering needs none.
-        drop(connection);
+        // The connection and the slot are free once the batch has committed: answering needs
+        // neither.
+        drop((connection, turn));
         let ended = match ended {
-            Ok(ended) => ended,
+            Ok(end) => {
+                if end.conflicts > 0 {
+                    self.counters
+                        .conflicts
+                        .fetch_add(u64::from(end.conflicts), Relaxed);
+                    self.counters
+                        .batch_retries
+                        .fetch_add(u64::from(end.retries), Relaxed);
+                    if let Some(m) = self.metrics.get() {
+                        m.batch_conflicts(end.conflicts, end.retries);
+                    }
+                    tracing::debug!(
+                        conflicts = end.conflicts,
+                        retries = end.retries,
+                        messages = keys.len(),
+                        "batch met conflicts with other transactions"
+                    );
+                }
+                end.ended
+            }
             Err(_) => {
                 tracing::warn!(
                     ?deadline,

@@ -43,6 +43,8 @@ pub trait TestBackend: Send + Sync + 'static {
     type ProbedByTransportId: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
     /// `credit`.
     type Credit: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
+    /// `credit_laned`: `credit` with `lane = msg.account`.
+    type CreditLaned: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `payment`.
     type Payment: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `announce`: publishes through an outbox.

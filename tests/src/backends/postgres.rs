@@ -36,6 +36,7 @@ macro_rules! postgres_backend {
     type LedgerByTransportId = handlers::ledger_by_transport_id;
     type ProbedByTransportId = handlers::probed_by_transport_id;
     type Credit = handlers::credit;
+    type CreditLaned = handlers::credit_laned;
     type Payment = handlers::payment;
     type Remote = handlers::remote;
     type Announce = handlers::announce;

@@ -24,6 +24,7 @@ impl TestBackend for Sqlite {
     type LedgerByTransportId = handlers::ledger_by_transport_id;
     type ProbedByTransportId = handlers::probed_by_transport_id;
     type Credit = handlers::credit;
+    type CreditLaned = handlers::credit_laned;
     type Payment = handlers::payment;
     type Remote = handlers::remote;
     type Announce = handlers::announce;

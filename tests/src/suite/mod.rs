@@ -61,6 +61,7 @@ mod graceful_shutdown;
 mod held_race;
 mod held_race_commit;
 mod held_race_rollback;
+mod hot_rows_in_batches;
 mod invalid_keys_are_rejected;
 mod keys_compare_as_bytes;
 mod long_handler_sends_progress;

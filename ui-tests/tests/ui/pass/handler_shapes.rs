@@ -2,7 +2,7 @@
 //! state argument, any argument order, `?` in the body, an integer key, no key at all, a
 //! `Result` alias that hides the error type, a two-phase (`claim`) handler with state, a key from
 //! a header of the `&Delivery`, raw payloads (`codec = Raw`), and a helper that takes the
-//! transaction as `&mut Tx<'_, DB>`.
+//! transaction as `&mut Tx<'_, DB>`, and lanes (an integer field, a string from the state).
 
 use inbox_runtime::{Claim, Delivery, Handler, KeyError, Raw, Tx, idempotent};
 use sqlx::Postgres;
@@ -113,6 +113,20 @@ async fn ships(
     Ok(())
 }
 
+/// Laned by an integer field: batches take the accounts' rows in one order.
+#[idempotent(consumer = "credit-lane", key = msg.id, lane = msg.seq)]
+async fn laned(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg, tx);
+    Ok(())
+}
+
+/// Laned by a string the state and the message make.
+#[idempotent(consumer = "credit-lane-text", lane = format!("{}{}", cfg.prefix, msg.id), key = msg.id)]
+async fn laned_text(cfg: &Config, msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (cfg, msg, tx);
+    Ok(())
+}
+
 fn main() {
     let msg = Credit { id: "a".into(), seq: 7 };
     let d = Delivery::new("credits");
@@ -136,4 +150,9 @@ fn main() {
     assert_eq!(ships.key(&msg, &Delivery::new("s"), &courier), Ok(Some("dhl:a".to_owned())));
     let payload = bytes::Bytes::from_static(b"\xff");
     assert_eq!(raw_payload.key(&payload, &event, &()), Ok(Some("/s 1".to_owned())));
+    let d = Delivery::new("credits");
+    assert!(<laned as Handler>::LANED && !<by_field as Handler>::LANED);
+    assert_eq!(laned.lane(&msg, &d, &()), Some(inbox_runtime::Lane::int(7)));
+    assert_eq!(by_field.lane(&msg, &d, &()), None);
+    assert_eq!(laned_text.lane(&msg, &d, &cfg), Some(inbox_runtime::Lane::bytes("pa")));
 }
