@@ -57,7 +57,8 @@ pub fn init_logs(name: &'static str, secrets: &redact::Secrets) {
 /// The `main` of an example binary named `name`: logs (scrubbed of `secrets`) to stderr at
 /// `RUST_LOG` (default `info`), a panic's message scrubbed too, SIGINT and SIGTERM cancelling the
 /// token `consume` runs until, and on success one machine-readable line on stdout for scripts
-/// such as `cargo xtask demo`: `<name> stopped: applied=N skipped=N nacked=N terminated=N`.
+/// such as `cargo xtask demo`: `<name> stopped: applied=N skipped=N nacked=N terminated=N`,
+/// followed by ` conflicts=N batch_retries=N` when batches met conflicts.
 pub async fn main_loop(
     name: &'static str,
     secrets: redact::Secrets,
@@ -89,8 +90,13 @@ pub async fn main_loop(
 
     match consume(shutdown).await {
         Ok(stats) => {
+            // Batched runs that met conflicts say so (`cargo xtask bench` reads them).
+            let conflicts = match stats.conflicts {
+                0 => String::new(),
+                n => format!(" conflicts={n} batch_retries={}", stats.batch_retries),
+            };
             println!(
-                "{name} stopped: applied={} skipped={} nacked={} terminated={}",
+                "{name} stopped: applied={} skipped={} nacked={} terminated={}{conflicts}",
                 stats.acked, stats.skipped, stats.nacked, stats.terminated
             );
             std::process::ExitCode::SUCCESS

@@ -207,6 +207,12 @@ pub struct BenchArgs {
     /// Only these contenders (comma-separated): loop, handwritten, inbox, inbox-batched.
     #[arg(long, value_delimiter = ',', value_parser = bench::Contender::parse)]
     pub only: Vec<bench::Contender>,
+    /// The workloads (comma-separated): hot (40 accounts), spread (1,000 accounts).
+    #[arg(long, value_delimiter = ',', value_parser = bench::Workload::parse, default_value = "hot,spread")]
+    pub workloads: Vec<bench::Workload>,
+    /// Consumer processes on the one durable consumer (comma-separated counts).
+    #[arg(long, value_delimiter = ',', default_value = "1,3", value_parser = clap::value_parser!(u64).range(1..=8))]
+    pub processes: Vec<u64>,
     /// Also write the results to docs/bench/.
     #[arg(long)]
     pub save: bool,
@@ -237,6 +243,8 @@ impl From<&BenchArgs> for bench::Options {
                 [] => bench::Contender::ALL.to_vec(),
                 only => only.to_vec(),
             },
+            workloads: args.workloads.clone(),
+            processes: args.processes.iter().map(|&p| p as usize).collect(),
             save: args.save,
         }
     }
@@ -285,6 +293,19 @@ mod tests {
         assert_eq!(b.db, Backends(vec![Backend::Sqlite]));
         assert_eq!((b.messages, b.inbox_rows.clone()), (1000, vec![0, 1000]));
         assert_eq!((o.messages, o.contenders.len()), (1000, 4));
+        assert_eq!(
+            o.workloads,
+            vec![bench::Workload::Hot, bench::Workload::Spread]
+        );
+        assert_eq!(o.processes, vec![1, 3]);
+        let Ok(Task::Bench(b)) = parse("bench --workloads hot --processes 2") else {
+            panic!("bench workloads did not parse");
+        };
+        let o = bench::Options::from(&b);
+        assert_eq!(
+            (o.workloads, o.processes),
+            (vec![bench::Workload::Hot], vec![2])
+        );
         let Ok(Task::Bench(b)) = parse("bench --inbox-scale --markers 0,10000000 --claims 50")
         else {
             panic!("inbox-scale options did not parse");
@@ -295,6 +316,8 @@ mod tests {
             ("bench --messages 0", "--messages"),
             ("bench --db oracle", "oracle"),
             ("bench --only fast", "fast"),
+            ("bench --workloads cold", "cold"),
+            ("bench --processes 0", "--processes"),
             ("chaos --messages 5", "--messages"),
             ("chaos --run everything", "everything"),
             ("test --nats newest", "newest"),

@@ -100,16 +100,27 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// Commits up to `max_messages` messages in one transaction (one COMMIT, so one fsync, for
     /// all), waiting at most `max_wait` after a batch's first message for more. Off by default.
     ///
-    /// A batch is sorted by key, then each message's claim and handler run in one transaction;
-    /// two copies of a key in a batch make the second a Skip. When a message fails, the batch is
-    /// rolled back and tried again with a SAVEPOINT per message: the failing one is rolled back
-    /// to its savepoint and processed alone afterwards (its retries, nak or dead letter exactly
-    /// as without batching) while the others commit. A transient failure (deadlock,
-    /// serialization failure, lock timeout), a failed BEGIN or a COMMIT whose outcome is unknown
-    /// sends every message of the batch alone, where the marker decides again. Acks follow the
-    /// COMMIT. Concurrency then counts connections, each with a batch: messages in flight are
-    /// at most concurrency × `max_messages` (and the consumer's `max_ack_pending`). Handlers
-    /// must not commit or roll back the transaction they are given, as always.
+    /// A batch is sorted by lane, then key, and each message's claim and handler run in one
+    /// transaction; two copies of a key in a batch make the second a Skip. When a message fails,
+    /// the batch is rolled back and tried again with a SAVEPOINT per message: the failing one is
+    /// rolled back to its savepoint and processed alone afterwards (its retries, nak or dead
+    /// letter exactly as without batching) while the others commit. A conflict with another
+    /// transaction (deadlock, serialization failure, lock timeout, busy) is no message's fault:
+    /// the whole batch is tried again after a short jittered wait, up to 4 tries, and only then
+    /// are its messages processed alone ([`Stats::conflicts`](crate::Stats::conflicts) counts
+    /// such tries). A failed BEGIN or a COMMIT whose outcome is unknown sends every message of
+    /// the batch alone, where the marker decides again. Acks follow the COMMIT. Concurrency then
+    /// counts connections, each with a batch: messages in flight are at most concurrency ×
+    /// `max_messages` (and the consumer's `max_ack_pending`). Handlers must not commit or roll
+    /// back the transaction they are given, as always.
+    ///
+    /// **Hot rows.** Batches that update the same rows (a popular account) in different orders
+    /// deadlock. Name what the handler locks, `#[idempotent(.., lane = msg.account)]`: each
+    /// lane is then kept in one of the worker's batch slots (one per connection, taking turns),
+    /// and every batch of every process runs its messages in lane order, so that they take
+    /// their row locks in one order and never deadlock. Without a lane, a batch waits at most
+    /// 200 ms for a lock (a wait may be a deadlock's; PostgreSQL would detect it only after its
+    /// `deadlock_timeout`, 1 s) and is tried again.
     ///
     /// `max_messages` is at least 1; 1 turns batching off.
     pub fn batch(mut self, max_messages: usize, max_wait: Duration) -> Self {

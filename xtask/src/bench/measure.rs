@@ -1,42 +1,55 @@
 //! What one run of a contender measures, and how: CPU time and peak memory from `/proc`,
 //! percentiles and medians.
 
-use super::options::Contender;
+use super::options::{Contender, Workload};
 
 /// What one run measured.
 #[derive(Debug, Clone)]
 pub struct Run {
     /// Who ran.
     pub contender: Contender,
+    /// On which workload.
+    pub workload: Workload,
+    /// In how many consumer processes (the loop: at that many times the concurrency).
+    pub processes: usize,
     /// In which round (0 for the claim-latency runs at an inbox size).
     pub round: usize,
     /// Throughput draining the backlog.
     pub msgs_per_s: f64,
-    /// Publish-to-commit latency of the paced messages, median.
-    pub latency_p50_us: f64,
+    /// Publish-to-commit latency of the paced messages, median (one process only).
+    pub latency_p50_us: Option<f64>,
     /// The same, 99th percentile.
-    pub latency_p99_us: f64,
-    /// The consumer process's CPU time per message.
+    pub latency_p99_us: Option<f64>,
+    /// The consumer processes' CPU time per message, all of them together.
     pub consumer_cpu_us: f64,
     /// nats-server's CPU time per message (none for the loop, which has no NATS).
     pub nats_cpu_us: Option<f64>,
-    /// The consumer's peak RSS.
+    /// The largest peak RSS of the consumer processes.
     pub peak_rss_mib: f64,
     /// The loop's median claim time.
     pub claim_p50_us: Option<f64>,
+    /// Deadlocks the database counted during the run (PostgreSQL: the run's database;
+    /// MySQL/MariaDB: the server's `Innodb_deadlocks`); `None` for SQLite.
+    pub deadlocks: Option<u64>,
+    /// `credit`'s batches: tries ended by a conflict, and tries again, over every process.
+    pub conflicts: Option<(u64, u64)>,
 }
 
 /// The run's figures on one line, as the bench reports its progress.
 pub fn summary(run: &Run) -> String {
+    let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{:.1} ms", v / 1000.0));
     format!(
-        "{:.0} msg/s, p50 {:.1} ms, p99 {:.1} ms, consumer {:.0} us/msg, nats-server {}, peak RSS {:.1} MiB{}",
+        "{:.0} msg/s, p50 {}, p99 {}, consumer {:.0} us/msg, nats-server {}, peak RSS {:.1} MiB, deadlocks {}, conflicts/retries {}{}",
         run.msgs_per_s,
-        run.latency_p50_us / 1000.0,
-        run.latency_p99_us / 1000.0,
+        ms(run.latency_p50_us),
+        ms(run.latency_p99_us),
         run.consumer_cpu_us,
         run.nats_cpu_us
             .map_or("-".to_owned(), |c| format!("{c:.0} us/msg")),
         run.peak_rss_mib,
+        run.deadlocks.map_or("-".to_owned(), |d| d.to_string()),
+        run.conflicts
+            .map_or("-".to_owned(), |(c, r)| format!("{c}/{r}")),
         run.claim_p50_us
             .map_or(String::new(), |c| format!(", claim p50 {c:.0} us")),
     )

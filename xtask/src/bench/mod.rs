@@ -1,13 +1,22 @@
 //! `cargo xtask bench`: the framework side by side with what it replaces, in one run on one
 //! machine, so that what is reported is a ratio (absolute figures drift with the machine).
 //!
-//! The contenders, all doing the same writes (a marker in the inbox table and a balance upsert in
-//! `accounts`, one transaction per message unless batched):
+//! The contenders, all doing the same writes as `credit` (a marker in the inbox table, a balance
+//! upsert in `accounts` and an outbox row announcing it, one transaction per message unless
+//! batched):
 //! 1. `loop`: the database's limit, a hand-written sqlx loop at concurrency C, no NATS
-//!    (`baseline loop`);
-//! 2. `handwritten`: a hand-written async-nats + sqlx consumer (`baseline consumer`);
+//!    (`baseline loop`), the same transaction as pgbench would run it;
+//! 2. `handwritten`: a hand-written async-nats + sqlx consumer with a hand-written relay that
+//!    publishes the outbox rows and marks them sent (`baseline consumer`);
 //! 3. `inbox`: `credit`, one transaction per message;
-//! 4. `inbox-batched`: `credit` with `CREDIT_BATCH`.
+//! 4. `inbox-batched`: `credit` with `CREDIT_BATCH` (its handler's lane is the account).
+//!
+//! Each runs on every workload: `hot` (credits round-robin over 40 accounts, where concurrent
+//! transactions meet on the same rows) and `spread` (1,000 accounts); and with 1 and 3 consumer
+//! processes on one durable consumer (the loop instead runs at 1 and 3 times the concurrency,
+//! the database's limit at the same total concurrency). Every run reports the deadlocks the
+//! database counted (PostgreSQL: the run's database; MySQL: the server's `Innodb_deadlocks`) and
+//! `credit`'s batch conflicts and retries.
 //!
 //! Each run gets a fresh database and a fresh stream on one private nats-server. A consumer run
 //! drains a backlog of N messages (throughput, CPU per message of the consumer process and of
@@ -26,12 +35,12 @@ mod options;
 mod results;
 mod runs;
 
-pub use options::{Contender, Options};
+pub use options::{Contender, Options, Workload};
 
 use inbox_testkit::PrivateNats;
 use measure::{clock_tick, summary};
 use results::{backend_report, machine, table};
-use runs::{build, consumer_run, loop_run};
+use runs::{Shape, build, consumer_run, loop_run};
 use serde_json::json;
 
 /// Runs the bench.
@@ -46,22 +55,35 @@ pub async fn run(options: Options) -> Result<(), String> {
     for &backend in &options.backends {
         let mut runs = Vec::new();
         for round in 1..=options.rounds {
-            for &contender in &options.contenders {
-                eprintln!(
-                    "bench: {} round {round}: {}",
-                    backend.name(),
-                    contender.describe()
-                );
-                let run = match contender {
-                    Contender::Loop => loop_run(&options, backend, &binaries, tick, 0, round).await,
-                    _ => {
-                        let on = (&binaries, &nats, tick);
-                        consumer_run(&options, backend, contender, round, on).await
+            for &workload in &options.workloads {
+                for &processes in &options.processes {
+                    let shape = Shape {
+                        workload,
+                        processes,
+                        round,
+                    };
+                    for &contender in &options.contenders {
+                        eprintln!(
+                            "bench: {} round {round}, {} ({} accounts), {processes} process(es): {}",
+                            backend.name(),
+                            workload.name(),
+                            workload.accounts(),
+                            contender.describe()
+                        );
+                        let run = match contender {
+                            Contender::Loop => {
+                                loop_run(&options, backend, &binaries, tick, 0, shape).await
+                            }
+                            _ => {
+                                let on = (&binaries, &nats, tick);
+                                consumer_run(&options, backend, contender, shape, on).await
+                            }
+                        }
+                        .map_err(|e| format!("{} {}: {e}", backend.name(), contender.name()))?;
+                        eprintln!("bench:   {}", summary(&run));
+                        runs.push(run);
                     }
                 }
-                .map_err(|e| format!("{} {}: {e}", backend.name(), contender.name()))?;
-                eprintln!("bench:   {}", summary(&run));
-                runs.push(run);
             }
         }
         let mut scale = Vec::new();
@@ -70,7 +92,12 @@ pub async fn run(options: Options) -> Result<(), String> {
                 "bench: {} claim latency with {rows} markers",
                 backend.name()
             );
-            let run = loop_run(&options, backend, &binaries, tick, rows, 0).await?;
+            let shape = Shape {
+                workload: Workload::Spread,
+                processes: 1,
+                round: 0,
+            };
+            let run = loop_run(&options, backend, &binaries, tick, rows, shape).await?;
             eprintln!("bench:   {}", summary(&run));
             scale.push((rows, run));
         }
@@ -82,6 +109,8 @@ pub async fn run(options: Options) -> Result<(), String> {
         "concurrency": options.concurrency,
         "rounds": options.rounds,
         "batch": options.batch,
+        "workloads": options.workloads.iter().map(|w| json!({"name": w.name(), "accounts": w.accounts()})).collect::<Vec<_>>(),
+        "processes": options.processes,
         "latency": { "messages": options.latency_messages, "rate_per_s": options.rate },
         "backends": report,
     });

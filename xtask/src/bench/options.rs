@@ -23,6 +23,11 @@ pub struct Options {
     pub inbox_rows: Vec<u64>,
     /// The contenders that run.
     pub contenders: Vec<Contender>,
+    /// The workloads, each a number of accounts the credits spread over.
+    pub workloads: Vec<Workload>,
+    /// How many consumer processes share the durable consumer (the loop runs at that many
+    /// times the concurrency instead).
+    pub processes: Vec<usize>,
     /// Whether the results are also written to `docs/bench/`.
     pub save: bool,
 }
@@ -76,6 +81,42 @@ impl Contender {
             Contender::Handwritten => "2. hand-written async-nats + sqlx consumer",
             Contender::Inbox => "3. inbox, a transaction per message",
             Contender::InboxBatched => "4. inbox, batched",
+        }
+    }
+}
+
+/// How many accounts the credits spread over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Workload {
+    /// 40 accounts: a popular merchant, a hot wallet; concurrent batches meet on the same rows.
+    Hot,
+    /// 1,000 accounts: batches rarely meet.
+    Spread,
+}
+
+impl Workload {
+    /// The workload named `word` (`hot`, `spread`).
+    pub fn parse(word: &str) -> Result<Workload, String> {
+        match word {
+            "hot" => Ok(Workload::Hot),
+            "spread" => Ok(Workload::Spread),
+            _ => Err(format!("no workload {word:?}: hot or spread")),
+        }
+    }
+
+    /// Its name on the command line and in the results.
+    pub fn name(self) -> &'static str {
+        match self {
+            Workload::Hot => "hot",
+            Workload::Spread => "spread",
+        }
+    }
+
+    /// The accounts the credits spread over.
+    pub fn accounts(self) -> usize {
+        match self {
+            Workload::Hot => 40,
+            Workload::Spread => 1000,
         }
     }
 }

@@ -1,8 +1,8 @@
 //! The contenders' runs: building them, running each on a fresh database (the loop alone, the
 //! consumers on a backlog and then paced messages), and checking every credit applied once.
 
-use super::measure::{Run, percentiles, usage};
-use super::options::{Contender, Options};
+use super::measure::{Run, Usage, percentiles, usage};
+use super::options::{Contender, Options, Workload};
 use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::StreamExt;
 use inbox_testkit::{Backend, Database, PrivateNats, publish_and_wait, unique};
@@ -17,8 +17,6 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, ChildStdout, Command};
 
-/// How many accounts the credits spread over.
-const ACCOUNTS: usize = 1000;
 /// How long any one wait of a run may take.
 const DEADLINE: Duration = Duration::from_secs(1800);
 
@@ -53,6 +51,14 @@ pub fn build() -> Result<Binaries, String> {
     })
 }
 
+/// What a run is of: the workload, the processes (the loop: times the concurrency), the round.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub workload: Workload,
+    pub processes: usize,
+    pub round: usize,
+}
+
 /// Contender 1, also run at several inbox sizes (`rows` markers loaded first).
 pub async fn loop_run(
     options: &Options,
@@ -60,16 +66,20 @@ pub async fn loop_run(
     binaries: &Binaries,
     tick: f64,
     rows: u64,
-    round: usize,
+    shape: Shape,
 ) -> Result<Run, String> {
     let db = Database::create(backend, "inbox_bench_").await?;
+    let deadlocks = Deadlocks::before(backend, &db).await?;
     let result = async {
         let mut child = Command::new(&binaries.baseline)
             .arg("loop")
             .env("DATABASE_URL", &db.url)
-            .env("BENCH_CONCURRENCY", options.concurrency.to_string())
+            .env(
+                "BENCH_CONCURRENCY",
+                (options.concurrency * shape.processes).to_string(),
+            )
             .env("BENCH_MESSAGES", options.messages.to_string())
-            .env("BENCH_ACCOUNTS", ACCOUNTS.to_string())
+            .env("BENCH_ACCOUNTS", shape.workload.accounts().to_string())
             .env("BENCH_INBOX_ROWS", rows.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -93,19 +103,107 @@ pub async fn loop_run(
         let n = options.messages as f64;
         Ok(Run {
             contender: Contender::Loop,
-            round,
+            workload: shape.workload,
+            processes: shape.processes,
+            round: shape.round,
             msgs_per_s: n / field("elapsed_s")?,
-            latency_p50_us: field("latency_p50_us")?,
-            latency_p99_us: field("latency_p99_us")?,
+            latency_p50_us: Some(field("latency_p50_us")?),
+            latency_p99_us: Some(field("latency_p99_us")?),
             consumer_cpu_us: (after.cpu_s - before.cpu_s) * 1e6 / n,
             nats_cpu_us: None,
             peak_rss_mib: after.peak_rss_mib,
             claim_p50_us: Some(field("claim_p50_us")?),
+            deadlocks: None,
+            conflicts: None,
         })
     }
     .await;
+    let result = match result {
+        Ok(run) => deadlocks.after(&db).await.map(|d| Run {
+            deadlocks: d,
+            ..run
+        }),
+        Err(e) => Err(e),
+    };
     db.remove().await?;
     result
+}
+
+/// The deadlocks a database counts, read before and after a run.
+enum Deadlocks {
+    /// The run's own database, fresh: its `pg_stat_database.deadlocks`.
+    Postgres,
+    /// The server's `Innodb_deadlocks` before the run (the bench runs alone on it).
+    MySql(u64),
+    /// SQLite has one writer and no deadlocks.
+    None,
+}
+
+impl Deadlocks {
+    async fn before(backend: Backend, db: &Database) -> Result<Deadlocks, String> {
+        Ok(match backend {
+            Backend::Postgres => Deadlocks::Postgres,
+            Backend::MySql => Deadlocks::MySql(innodb_deadlocks(&any_pool(&db.url).await?).await?),
+            Backend::Sqlite => Deadlocks::None,
+        })
+    }
+
+    /// The deadlocks since [`Deadlocks::before`], once the contenders have exited.
+    async fn after(&self, db: &Database) -> Result<Option<u64>, String> {
+        let pool = match self {
+            Deadlocks::None => return Ok(None),
+            _ => any_pool(&db.url).await?,
+        };
+        let count = match self {
+            Deadlocks::Postgres => {
+                // A session adds its deadlocks to the database's count when it ends.
+                let sessions = "SELECT CAST(count(*) AS BIGINT) FROM pg_stat_activity \
+                                WHERE datname = current_database() AND pid <> pg_backend_pid()";
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while scalar(&pool, sessions).await? > 0 {
+                    if Instant::now() > deadline {
+                        return Err("the contenders' sessions did not end within 30 s".into());
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                let sql =
+                    "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()";
+                scalar(&pool, sql).await? as u64
+            }
+            Deadlocks::MySql(before) => innodb_deadlocks(&pool).await?.saturating_sub(*before),
+            Deadlocks::None => unreachable!(),
+        };
+        pool.close().await;
+        Ok(Some(count))
+    }
+}
+
+/// One connection to `url` through sqlx's `Any` driver.
+async fn any_pool(url: &str) -> Result<sqlx::AnyPool, String> {
+    sqlx::any::install_default_drivers();
+    AnyPoolOptions::new()
+        .max_connections(1)
+        .connect(url)
+        .await
+        .map_err(|e| format!("{url}: {e}"))
+}
+
+/// The one number `sql` returns.
+async fn scalar(pool: &sqlx::AnyPool, sql: &str) -> Result<i64, String> {
+    sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql.to_owned()).into_sql_str())
+        .fetch_one(pool)
+        .await
+        .map_err(|e| format!("{sql}: {e}"))
+}
+
+/// MySQL/MariaDB's `Innodb_deadlocks` (0 where the server does not count them).
+async fn innodb_deadlocks(pool: &sqlx::AnyPool) -> Result<u64, String> {
+    let sql = "SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'";
+    let row: Option<(String, String)> = sqlx::query_as(sql)
+        .fetch_optional(pool)
+        .await
+        .map_err(|e| format!("{sql}: {e}"))?;
+    Ok(row.and_then(|(_, v)| v.parse().ok()).unwrap_or(0))
 }
 
 /// Reads lines until one starts with `prefix`, returning the rest of it.
@@ -126,20 +224,22 @@ async fn expect_line(
         .map_err(|_| format!("no {prefix:?} line within {DEADLINE:?}"))?
 }
 
-/// Contenders 2 to 4.
+/// Contenders 2 to 4, in `shape.processes` processes on one durable consumer.
 pub async fn consumer_run(
     options: &Options,
     backend: Backend,
     contender: Contender,
-    round: usize,
+    shape: Shape,
     (binaries, nats, tick): (&Binaries, &PrivateNats, f64),
 ) -> Result<Run, String> {
     let db = Database::create(backend, "inbox_bench_").await?;
+    let deadlocks = Deadlocks::before(backend, &db).await?;
     let name = unique("BENCH_");
     let subject = format!("bench.{name}");
     let durable = "bench";
     let client = inbox_testkit::connect(&nats.url).await?;
     let js = jetstream::new(client.clone());
+    let accounts = shape.workload.accounts();
     let result = async {
         let stream = js
             .create_stream(stream::Config {
@@ -163,10 +263,30 @@ pub async fn consumer_run(
             .await
             .map_err(|e| format!("create consumer: {e}"))?;
         let n = options.messages;
-        publish_and_wait(&js, &subject, (0..n).map(|i| request(&name, i))).await?;
-        let mut child = spawn_contender(options, backend, contender, binaries, nats, &db, &name)?;
-        let pid = child.id().ok_or("the contender exited at once")?;
+        publish_and_wait(&js, &subject, (0..n).map(|i| request(&name, i, accounts))).await?;
+        let mut children = Vec::new();
+        for _ in 0..shape.processes {
+            children.push(spawn_contender(
+                options, backend, contender, binaries, nats, &db, &name,
+            )?);
+        }
+        let pids: Vec<u32> = children
+            .iter()
+            .map(|c| c.id().ok_or("a contender exited at once"))
+            .collect::<Result<_, _>>()?;
         let nats_pid = nats.pid().ok_or("the private nats-server is not running")?;
+        let all = |pids: &[u32]| -> Result<Usage, String> {
+            let mut sum = Usage {
+                cpu_s: 0.0,
+                peak_rss_mib: 0.0,
+            };
+            for &pid in pids {
+                let u = usage(pid, tick)?;
+                sum.cpu_s += u.cpu_s;
+                sum.peak_rss_mib = sum.peak_rss_mib.max(u.peak_rss_mib);
+            }
+            Ok(sum)
+        };
         let mut consumer: jetstream::consumer::PullConsumer = js
             .get_stream(&name)
             .await
@@ -174,6 +294,11 @@ pub async fn consumer_run(
             .get_consumer(durable)
             .await
             .map_err(|e| e.to_string())?;
+        let exited = |children: &mut Vec<Child>| {
+            children
+                .iter_mut()
+                .any(|c| c.try_wait().ok().flatten().is_some())
+        };
         // The drain starts at the first delivery and ends when nothing is pending or unacked.
         let started = Instant::now();
         let (t0, acked0, me0, server0) = loop {
@@ -182,11 +307,11 @@ pub async fn consumer_run(
                 break (
                     Instant::now(),
                     info.ack_floor.stream_sequence,
-                    usage(pid, tick)?,
+                    all(&pids)?,
                     usage(nats_pid, tick)?,
                 );
             }
-            if started.elapsed() > DEADLINE || child.try_wait().ok().flatten().is_some() {
+            if started.elapsed() > DEADLINE || exited(&mut children) {
                 return Err("the contender never took a message".into());
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -194,21 +319,46 @@ pub async fn consumer_run(
         let (t1, me1, server1) = loop {
             let info = consumer.info().await.map_err(|e| e.to_string())?;
             if info.num_pending == 0 && info.num_ack_pending == 0 {
-                break (Instant::now(), usage(pid, tick)?, usage(nats_pid, tick)?);
+                break (Instant::now(), all(&pids)?, usage(nats_pid, tick)?);
             }
-            if t0.elapsed() > DEADLINE || child.try_wait().ok().flatten().is_some() {
+            if t0.elapsed() > DEADLINE || exited(&mut children) {
                 return Err(format!("not drained: {info:?}"));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         let drained = (n as u64 - acked0) as f64;
-        let latencies = paced(&client, &js, options, &name, &subject, n).await?;
-        stop(&mut child, contender).await?;
-        check_applied(backend, &db.url, n + options.latency_messages).await?;
-        let (p50, p99) = percentiles(latencies);
+        // Latency is measured with one process only.
+        let (latencies, paced_n) = if shape.processes == 1 {
+            let paced = paced(&client, &js, options, &name, &subject, n, accounts).await?;
+            (Some(paced), options.latency_messages)
+        } else {
+            (None, 0)
+        };
+        let mut conflicts: Option<(u64, u64)> = None;
+        for child in &mut children {
+            let stopped = stop(child, contender).await?;
+            if let Some((c, r)) = stopped {
+                let sum = conflicts.get_or_insert((0, 0));
+                sum.0 += c;
+                sum.1 += r;
+            }
+        }
+        if contender != Contender::Handwritten {
+            conflicts.get_or_insert((0, 0));
+        }
+        check_applied(backend, &db.url, n + paced_n).await?;
+        let (p50, p99) = match latencies {
+            Some(l) => {
+                let (p50, p99) = percentiles(l);
+                (Some(p50), Some(p99))
+            }
+            None => (None, None),
+        };
         Ok(Run {
             contender,
-            round,
+            workload: shape.workload,
+            processes: shape.processes,
+            round: shape.round,
             msgs_per_s: drained / (t1 - t0).as_secs_f64(),
             latency_p50_us: p50,
             latency_p99_us: p99,
@@ -216,9 +366,18 @@ pub async fn consumer_run(
             nats_cpu_us: Some((server1.cpu_s - server0.cpu_s) * 1e6 / drained),
             peak_rss_mib: me1.peak_rss_mib,
             claim_p50_us: None,
+            deadlocks: None,
+            conflicts,
         })
     }
     .await;
+    let result = match result {
+        Ok(run) => deadlocks.after(&db).await.map(|d| Run {
+            deadlocks: d,
+            ..run
+        }),
+        Err(e) => Err(e),
+    };
     let _ = js.delete_stream(&name).await;
     let _ = js
         .delete_stream(inbox_runtime::advisory_stream_name(&name))
@@ -264,7 +423,7 @@ fn spawn_contender(
         .env("RUST_LOG", "warn")
         .env("CREDIT_ACK", std::env::var("BENCH_ACK").unwrap_or_default())
         .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .kill_on_drop(true);
     if contender == Contender::InboxBatched {
         command.env("CREDIT_BATCH", options.batch.to_string());
@@ -274,27 +433,48 @@ fn spawn_contender(
         .map_err(|e| format!("{}: {e}", binary.display()))
 }
 
-/// Stops a contender: `credit` drains on SIGTERM, the baseline when its stdin closes.
-async fn stop(child: &mut Child, contender: Contender) -> Result<(), String> {
+/// Stops a contender: `credit` drains on SIGTERM, the baseline when its stdin closes. Returns
+/// the conflicts and batch retries `credit` reported on its last line (none for the baseline).
+async fn stop(child: &mut Child, contender: Contender) -> Result<Option<(u64, u64)>, String> {
     drop(child.stdin.take());
     if contender != Contender::Handwritten
         && let Some(pid) = child.id()
     {
         let _ = inbox_testkit::terminate(pid);
     }
-    match tokio::time::timeout(Duration::from_secs(60), child.wait()).await {
-        Ok(Ok(status)) if status.success() => Ok(()),
+    let mut out = String::new();
+    let mut stdout = child.stdout.take();
+    let read = async {
+        if let Some(stdout) = stdout.as_mut() {
+            let _ = tokio::io::AsyncReadExt::read_to_string(stdout, &mut out).await;
+        }
+        child.wait().await
+    };
+    match tokio::time::timeout(Duration::from_secs(60), read).await {
+        Ok(Ok(status)) if status.success() => Ok(conflicts_of(&out)),
         Ok(Ok(status)) => Err(format!("the contender exited with {status}")),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err("the contender did not stop within 60 s".into()),
     }
 }
 
-/// The `i`-th credit request of `run`: 1 to one of [`ACCOUNTS`].
-fn request(run: &str, i: usize) -> Vec<u8> {
+/// `conflicts=N batch_retries=M` of `credit`'s stop line: `(0, 0)` when it has none.
+fn conflicts_of(out: &str) -> Option<(u64, u64)> {
+    let line = out.lines().find(|l| l.contains(" stopped: "))?;
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name)?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    Some((field("conflicts="), field("batch_retries=")))
+}
+
+/// The `i`-th credit request of `run`: 1 to one of `accounts` accounts, round-robin (so that
+/// consecutive messages, and a batch's, credit different accounts).
+fn request(run: &str, i: usize, accounts: usize) -> Vec<u8> {
     serde_json::to_vec(&json!({
         "id": format!("{run}-{i}"),
-        "account": i % ACCOUNTS,
+        "account": i % accounts,
         "amount": 1,
     }))
     .expect("json")
@@ -310,6 +490,7 @@ async fn paced(
     stream: &str,
     subject: &str,
     first: usize,
+    accounts: usize,
 ) -> Result<Vec<f64>, String> {
     let mut acks = client
         .subscribe(format!("$JS.ACK.{stream}.bench.>"))
@@ -342,7 +523,10 @@ async fn paced(
         tokio::time::sleep_until(start + every * i as u32).await;
         let at = Instant::now();
         let ack = js
-            .publish(subject.to_owned(), request(stream, first + i).into())
+            .publish(
+                subject.to_owned(),
+                request(stream, first + i, accounts).into(),
+            )
             .await
             .map_err(|e| format!("publish: {e}"))?
             .await
@@ -385,6 +569,11 @@ async fn check_applied(backend: Backend, url: &str, n: usize) -> Result<(), Stri
             .map_err(|e| format!("{sql}: {e}"))
     };
     let markers = scalar("SELECT count(*) FROM inbox WHERE consumer = 'credit'").await?;
+    // Every contender writes the same outbox row per credit.
+    let events = scalar("SELECT count(*) FROM outbox").await?;
+    if events as usize != n {
+        return Err(format!("{events} outbox rows for {n} requests"));
+    }
     let sum = scalar("SELECT CAST(COALESCE(SUM(balance), 0) AS BIGINT) FROM accounts").await;
     // MySQL casts to SIGNED, not BIGINT.
     let sum = match sum {
@@ -398,5 +587,19 @@ async fn check_applied(backend: Backend, url: &str, n: usize) -> Result<(), Stri
         Err(format!(
             "not exactly once: {markers} markers and a balance sum of {sum} for {n} requests"
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conflicts_are_read_off_the_stop_line() {
+        let line = "credit stopped: applied=5 skipped=0 nacked=0 terminated=0 conflicts=3 batch_retries=2\n";
+        assert_eq!(conflicts_of(line), Some((3, 2)));
+        let quiet = "credit stopped: applied=5 skipped=0 nacked=0 terminated=0\n";
+        assert_eq!(conflicts_of(quiet), Some((0, 0)));
+        assert_eq!(conflicts_of(""), None);
     }
 }

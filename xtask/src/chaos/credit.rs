@@ -12,7 +12,8 @@
 //! CHECK violation or a data error, both dead-lettered at once, or transiently), so chaos creates
 //! `accounts` itself, as `credit` would plus a foreign key to `open_accounts`.
 //!
-//! **Supervise**: three `credit` processes work through the [`Faults`]: one of them is SIGKILLed
+//! **Supervise**: three `credit` processes (#0 batched, `CREDIT_BATCH`, its batches ordered by
+//! the handler's lane) work through the [`Faults`]: one of them is SIGKILLed
 //! and restarted every two seconds; one is frozen with SIGSTOP for twice `ack_wait` (what it holds
 //! is redelivered to the others while its transactions stay open) and then let go with SIGCONT;
 //! the nats-server is killed and restarted once; every database connection is cut once; the
@@ -307,6 +308,9 @@ async fn supervise(
     Ok((faults, skipped))
 }
 
+/// The batch size of the batched `credit` process (#0).
+const BATCH: usize = 16;
+
 /// The `credit` processes of a run, each holding every last delivery for [`LAST_DELIVERY_HOLD`],
 /// with what each holds there, read from its log.
 struct Fleet<'a> {
@@ -337,11 +341,16 @@ impl<'a> Fleet<'a> {
         Ok(fleet)
     }
 
-    /// Starts process `k`, its log appended to `log(k)`.
+    /// Starts process `k`, its log appended to `log(k)`. Process 0 commits in batches of
+    /// [`BATCH`] (its handler's lane, the account, orders them), among the others' single
+    /// messages.
     fn spawn(&self, k: usize) -> Result<CreditProcess, String> {
         let mut env = self.config.env();
         let hold = LAST_DELIVERY_HOLD.as_millis().to_string();
         env.push(("CREDIT_TEST_LAST_DELIVERY_HOLD_MS", hold));
+        if k == 0 {
+            env.push(("CREDIT_BATCH", BATCH.to_string()));
+        }
         CreditProcess::spawn_with("credit", &self.config.binary, &env, Some(&(self.log)(k)))
     }
 
