@@ -6,8 +6,10 @@
 //! of its batches at once), and every batch, in every process, runs its messages in lane order,
 //! so that all of them take their row locks in one order and none waits for another in a circle.
 //! Integers order by value and text by its bytes, which is also the order of a B-tree index on
-//! the column they name: batches that insert rows take their gap locks (InnoDB) in index order
-//! as well.
+//! an integer column or a binary-collated text column: batches that insert rows take their gap
+//! locks (InnoDB) in index order as well. A text column with a case- or accent-insensitive
+//! collation (MySQL's default) sees `"Alice"` and `"alice"` as one row but they are two lanes:
+//! give the lane in the column's normal form (`lane = msg.user.to_lowercase()`).
 
 use std::cmp::Ordering;
 

@@ -274,9 +274,18 @@ async fn an_app_refuses_shared_names_and_an_oversubscribed_pool() {
     let later = tokio_util::sync::CancellationToken::new();
     let app = App::new(inbox.clone(), &nats.js).handler(fine, made());
     let running = tokio::spawn(app.run_until(later.clone()));
-    inbox_testkit::wait_until("the app's consumer", Duration::from_secs(30), async || {
-        stream.consumer_info("made").await.is_ok()
-    })
+    // Its worker pulling (a pull request waiting), not only its consumer made: cancelled
+    // between the two, the app would stop before its worker started and count nothing.
+    inbox_testkit::wait_until(
+        "the app's worker pulling",
+        Duration::from_secs(30),
+        async || {
+            stream
+                .consumer_info("made")
+                .await
+                .is_ok_and(|info| info.num_waiting > 0)
+        },
+    )
     .await
     .unwrap();
     later.cancel();

@@ -101,6 +101,10 @@ pub trait Backend: sqlx::Database + Generic {
     /// busy, connection killed): the same message may succeed in a fresh transaction.
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;
 
+    /// Whether a database error is a conflict with another transaction (deadlock,
+    /// serialization failure, lock wait timeout, busy): transient, and no statement's fault.
+    fn is_conflict_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+
     /// The statement that begins a message's transaction, waiting at most `lock_timeout`
     /// for any lock (a twin blocked behind a frozen peer's transaction must not wait for as
     /// long as TCP keepalive allows).

@@ -30,7 +30,9 @@ pub(crate) use executor::Generic;
 pub(crate) use rows::{DeleteBatch, KeyId, NewOutboxRow, OutboxRow};
 #[cfg(feature = "sqlite")]
 pub use sqlite::sqlite_options;
-pub(crate) use statements::{InboxStatements, claims_of, finish_many_sql, stamp_ids_sql};
+pub(crate) use statements::{
+    InboxStatements, claims_of, delete_ids_sql, finish_many_sql, stamp_ids_sql,
+};
 pub use table::{InvalidTableName, TableName};
 pub use transient::is_transient;
 

@@ -176,6 +176,12 @@ impl Backend for MySql {
             })
     }
 
+    fn is_conflict_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 1213 deadlock, 1205 lock wait timeout.
+        err.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|e| matches!(e.number(), 1213 | 1205))
+    }
+
     fn cleanup_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
             "DELETE FROM {table} WHERE consumer = ? AND processed_at IS NOT NULL \

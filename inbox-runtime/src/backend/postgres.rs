@@ -135,6 +135,12 @@ impl Backend for Postgres {
         })
     }
 
+    fn is_conflict_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 40001 serialization failure, 40P01 deadlock, 55P03 lock not available.
+        err.code()
+            .is_some_and(|c| matches!(&*c, "40001" | "40P01" | "55P03"))
+    }
+
     fn cleanup_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
             "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \

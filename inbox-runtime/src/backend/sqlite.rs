@@ -173,6 +173,11 @@ impl Backend for Sqlite {
             .is_some_and(|code| matches!(code & 0xff, 5 | 6))
     }
 
+    fn is_conflict_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // Busy or locked: another connection holds the write lock.
+        Self::is_transient_error(err)
+    }
+
     fn cleanup_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
             "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \

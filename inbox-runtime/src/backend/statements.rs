@@ -221,6 +221,16 @@ pub(crate) fn stamp_ids_sql<DB: InboxBackend>(
     ))
 }
 
+/// Deletes the rows `ids` of `table` (a batch's markers of messages it left out), the ids
+/// written into the statement as in [`stamp_ids_sql`].
+pub(crate) fn delete_ids_sql(table: &TableName, ids: &[i64]) -> SqlStr {
+    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+    sql(format!(
+        "DELETE FROM {table} WHERE id IN ({})",
+        ids.join(", ")
+    ))
+}
+
 #[cfg(test)]
 mod claims_tests {
     use super::KeyId;

@@ -23,7 +23,7 @@ use super::Inbox;
 use crate::backend::{self, Claimed, InboxBackend};
 use crate::classify::{ErrorClass, classify};
 use crate::delivery::Delivery;
-use crate::error::{ProcessError, Stage};
+use crate::error::{ProcessError, Stage, chain};
 use crate::handler::{Handler, Outcome};
 use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
@@ -185,7 +185,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             }
             Err(source) => {
                 let _ = tx.rollback().await;
-                return Err(transient_or_one::<DB>(
+                return Err(failed_by::<DB>(
                     &ProcessError::Database {
                         stage: Stage::Claim,
                         source,
@@ -209,10 +209,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 }
                 Ok(Err(e)) => {
                     let _ = tx.rollback().await;
-                    return Err(transient_or_one::<DB>(
-                        &ProcessError::Handler(e.into()),
-                        Some(i),
-                    ));
+                    return Err(failed_by::<DB>(&ProcessError::Handler(e.into()), Some(i)));
                 }
                 Err(_) => {
                     let _ = tx.rollback().await;
@@ -238,7 +235,10 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// The careful try: a savepoint per message; a failing one is left out, and so is `culprit`
-    /// (the one that failed the lean try) without running again.
+    /// (the one that failed the lean try) without running again. As in the lean try, every
+    /// claim is made first and the handlers then run in the batch's order, so that the batch
+    /// takes its locks in the order every batch does (markers, then the lanes' rows); a message
+    /// left out gets its savepoint rolled back and its marker deleted.
     async fn batch_with_savepoints<H>(
         &self,
         handler: &H,
@@ -254,40 +254,113 @@ impl<DB: InboxBackend> Inbox<DB> {
         let mut tx = DB::begin(self.pool(), self.begin_batch::<H>())
             .await
             .map_err(|_| Failed::Whole)?;
+        // Ends the try: the transaction rolled back, awaited, so that a try again does not wait
+        // for this one's locks.
+        async fn end<DB: InboxBackend>(
+            tx: sqlx::Transaction<'static, DB>,
+            failed: Failed,
+        ) -> Result<Vec<Batched>, Failed> {
+            let _ = tx.rollback().await;
+            Err(failed)
+        }
+        let claimed_keys: Vec<&str> = (0..keys.len())
+            .filter(|&i| culprit != Some(i))
+            .map(|i| keys[i])
+            .collect();
+        let claims = DB::claim_many(
+            &mut tx,
+            (self.table(), &self.layout()),
+            self.sql.claim.clone(),
+            H::CONSUMER,
+            &claimed_keys,
+        )
+        .await;
+        let mut claims = match claims {
+            Ok(claims) if claims.len() == claimed_keys.len() => claims.into_iter(),
+            Ok(_) => return end(tx, Failed::Whole).await,
+            Err(source) => {
+                let error = ProcessError::Database {
+                    stage: Stage::Claim,
+                    source,
+                };
+                let failed = match failed_by::<DB>(&error, None) {
+                    Failed::Conflict => Failed::Conflict,
+                    _ => Failed::Whole,
+                };
+                return end(tx, failed).await;
+            }
+        };
         let mut done = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
+        let mut left_out = Vec::new();
+        for (i, delivery) in deliveries.iter().enumerate() {
             if culprit == Some(i) {
                 done.push(Batched::Alone);
                 continue;
             }
-            let Some(decoded) = message(i) else {
-                return Err(Failed::Whole);
+            let Some(Claimed::New(id)) = claims.next() else {
+                done.push(Batched::Done(Outcome::Skip));
+                continue;
             };
-            let mut savepoint = sqlx::Connection::begin(&mut *tx)
-                .await
-                .map_err(|_| Failed::Whole)?;
-            let one = self.process_in(&mut savepoint, handler, state, decoded, deliveries[i], key);
+            let Some(decoded) = message(i) else {
+                return end(tx, Failed::Whole).await;
+            };
+            let Ok(mut savepoint) = sqlx::Connection::begin(&mut *tx).await else {
+                return end(tx, Failed::Whole).await;
+            };
+            let one = async {
+                handler
+                    .handle(decoded, delivery, &mut savepoint, state)
+                    .await
+                    .map_err(|e| ProcessError::Handler(e.into()))?;
+                // As for one message: the marker must still be there to be finished (a handler
+                // that swallowed an error of an aborted savepoint fails here).
+                let finished = DB::execute_id(&mut *savepoint, self.sql.finish.clone(), id)
+                    .await
+                    .map_err(|source| ProcessError::Database {
+                        stage: Stage::Finish,
+                        source,
+                    })?;
+                match DB::rows_affected(&finished) {
+                    0 => Err(ProcessError::Database {
+                        stage: Stage::Finish,
+                        source: sqlx::Error::RowNotFound,
+                    }),
+                    _ => Ok(()),
+                }
+            };
             let processed = AssertUnwindSafe(one).catch_unwind().await;
-            match processed {
-                Ok(Ok(Outcome::Ack)) => {
-                    savepoint.commit().await.map_err(|_| Failed::Whole)?;
-                    done.push(Batched::Done(Outcome::Ack));
-                }
-                Ok(Ok(Outcome::Skip)) => {
-                    savepoint.rollback().await.map_err(|_| Failed::Whole)?;
-                    done.push(Batched::Done(Outcome::Skip));
-                }
+            let kept = match processed {
+                Ok(Ok(())) => savepoint.commit().await.is_ok(),
                 Ok(Err(e)) => {
-                    if let Failed::Conflict = transient_or_one::<DB>(&e, None) {
-                        return Err(Failed::Conflict);
+                    if let Failed::Conflict = failed_by::<DB>(&e, None) {
+                        drop(savepoint);
+                        return end(tx, Failed::Conflict).await;
                     }
-                    savepoint.rollback().await.map_err(|_| Failed::Whole)?;
-                    done.push(Batched::Alone);
+                    if savepoint.rollback().await.is_err() {
+                        return end(tx, Failed::Whole).await;
+                    }
+                    false
                 }
                 Err(_) => {
-                    savepoint.rollback().await.map_err(|_| Failed::Whole)?;
-                    done.push(Batched::Alone);
+                    if savepoint.rollback().await.is_err() {
+                        return end(tx, Failed::Whole).await;
+                    }
+                    false
                 }
+            };
+            if kept {
+                done.push(Batched::Done(Outcome::Ack));
+            } else {
+                left_out.push(id);
+                done.push(Batched::Alone);
+            }
+        }
+        if !left_out.is_empty() {
+            // The markers of the messages left out, which they will claim again alone.
+            let delete = backend::delete_ids_sql(self.table(), &left_out);
+            match DB::execute_raw(&mut tx, delete).await {
+                Ok(r) if DB::rows_affected(&r) == left_out.len() as u64 => {}
+                _ => return end(tx, Failed::Whole).await,
             }
         }
         tx.commit().await.map_err(|_| Failed::Whole)?;
@@ -306,13 +379,33 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
-/// A transient failure (deadlock, serialization failure, lock timeout, busy, a lost connection)
-/// may have ended the whole transaction (InnoDB rolls it back on a deadlock): the whole batch is
-/// tried again (a lost connection fails that try's BEGIN, and the batch goes alone). Anything
-/// else is one message's fault.
-fn transient_or_one<DB: InboxBackend>(err: &ProcessError, at: Option<usize>) -> Failed {
+/// What a failure inside a batch means for the batch. A conflict with another transaction
+/// (deadlock, serialization failure, lock wait timeout, busy) may have ended the whole
+/// transaction (InnoDB rolls it back on a deadlock), and is no message's fault: the whole batch
+/// is tried again. Any other transient failure (a lost connection, too many connections, a
+/// handler's error marked transient) sends every message alone, each with its own retries.
+/// Anything else is one message's fault.
+fn failed_by<DB: InboxBackend>(err: &ProcessError, at: Option<usize>) -> Failed {
+    if is_conflict::<DB>(err) {
+        return Failed::Conflict;
+    }
     match classify::<DB>(err) {
-        ErrorClass::Transient => Failed::Conflict,
+        ErrorClass::Transient => Failed::Whole,
         _ => Failed::OneMessage(at),
     }
+}
+
+/// Whether `err` is, or wraps, a database error the dialect calls a conflict.
+fn is_conflict<DB: InboxBackend>(err: &ProcessError) -> bool {
+    let source: &(dyn std::error::Error + 'static) = match err {
+        ProcessError::Database { source, .. } => source,
+        ProcessError::Handler(e) => &**e,
+        _ => return false,
+    };
+    chain(source).any(|e| {
+        matches!(
+            e.downcast_ref::<sqlx::Error>(),
+            Some(sqlx::Error::Database(d)) if DB::is_conflict_error(d.as_ref())
+        )
+    })
 }

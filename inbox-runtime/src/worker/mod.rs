@@ -140,6 +140,9 @@ struct Inner<H: Handler> {
     /// batch and each message of a batch served alone, so that a worker never holds more
     /// connections than its share of the pool however small its batches.
     connections: Arc<tokio::sync::Semaphore>,
+    /// Batched workers of a laned handler: the turns of its batch slots, one per connection
+    /// (see `slots`); none otherwise.
+    turns: Vec<Arc<tokio::sync::Mutex<()>>>,
     /// The metric handles, registered when the worker starts (after the application installed
     /// its recorder).
     metrics: std::sync::OnceLock<crate::metrics::Handles>,
@@ -177,6 +180,12 @@ impl<H: Handler> Worker<H> {
                 circuit: circuit::Circuit::default(),
                 max_deliver: max_deliver::MaxDeliver::new(settings.max_deliver),
                 connections: Arc::new(tokio::sync::Semaphore::new(settings.connections)),
+                turns: match (H::LANED, settings.batch) {
+                    (true, Some(_)) => (0..settings.connections.max(1))
+                        .map(|_| Arc::new(tokio::sync::Mutex::new(())))
+                        .collect(),
+                    _ => Vec::new(),
+                },
                 metrics: std::sync::OnceLock::new(),
                 settings,
                 jetstream,

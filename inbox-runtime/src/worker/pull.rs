@@ -135,14 +135,10 @@ where
             free: Vec::new(),
             open: Open::default(),
             last_delivery: &mut last_delivery,
-            slots: inner.settings.batch.map(|b| {
-                Slots::new(
-                    H::LANED,
-                    inner.settings.connections,
-                    b.max_messages,
-                    b.max_wait,
-                )
-            }),
+            slots: inner
+                .settings
+                .batch
+                .map(|b| Slots::new(&inner.turns, b.max_messages, b.max_wait)),
         };
         match session.pull().await {
             Ok(()) => break,

@@ -29,23 +29,25 @@ pub(super) struct Slots<T> {
 }
 
 impl<T> Slots<T> {
-    /// `slots` slots (one unless `laned`), each flushing at `max_messages` or `max_wait` after
-    /// its first message.
+    /// A slot per turn of `turns` (the worker's, which outlive a pull session, so that batches
+    /// of a session that ended still take turns with the next one's), or one slot without turns
+    /// when there are none (a handler without lanes); each flushes at `max_messages` or
+    /// `max_wait` after its first message.
     pub(super) fn new(
-        laned: bool,
-        slots: usize,
+        turns: &[Arc<Mutex<()>>],
         max_messages: usize,
         max_wait: std::time::Duration,
     ) -> Slots<T> {
-        let n = if laned { slots.max(1) } else { 1 };
+        let slot = |turn: Option<Arc<Mutex<()>>>| Slot {
+            waiting: Vec::new(),
+            due: None,
+            turn,
+        };
         Slots {
-            slots: (0..n)
-                .map(|_| Slot {
-                    waiting: Vec::new(),
-                    due: None,
-                    turn: laned.then(|| Arc::new(Mutex::new(()))),
-                })
-                .collect(),
+            slots: match turns {
+                [] => vec![slot(None)],
+                turns => turns.iter().map(|t| slot(Some(t.clone()))).collect(),
+            },
             max_messages,
             max_wait,
         }
@@ -96,7 +98,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn slots_fill_and_fall_due_on_their_own() {
-        let mut slots = Slots::new(true, 3, 2, Duration::from_millis(10));
+        let turns: Vec<_> = (0..3).map(|_| Arc::new(Mutex::new(()))).collect();
+        let mut slots = Slots::new(&turns, 2, Duration::from_millis(10));
         assert_eq!(slots.len(), 3);
         assert!(slots.push(4, 'a').is_none());
         assert!(slots.push(2, 'b').is_none());
@@ -111,7 +114,7 @@ mod tests {
         assert!(!Arc::ptr_eq(&turn, due[0].turn.as_ref().unwrap()));
         assert!(slots.next_due().is_none() && slots.take_due(None).is_empty());
         // Without lanes: one slot, no turns.
-        let mut one = Slots::new(false, 8, 5, Duration::from_millis(10));
+        let mut one = Slots::new(&[], 5, Duration::from_millis(10));
         assert_eq!(one.len(), 1);
         assert!(one.push(7, 1).is_none());
         let all = one.take_due(None);

@@ -133,8 +133,9 @@ pub async fn loop_run(
 enum Deadlocks {
     /// The run's own database, fresh: its `pg_stat_database.deadlocks`.
     Postgres,
-    /// The server's `Innodb_deadlocks` before the run (the bench runs alone on it).
-    MySql(u64),
+    /// The server's `Innodb_deadlocks` before the run (the bench runs alone on it), when the
+    /// server counts them (MariaDB does, MySQL 8 does not).
+    MySql(Option<u64>),
     /// SQLite has one writer and no deadlocks.
     None,
 }
@@ -170,11 +171,39 @@ impl Deadlocks {
                     "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()";
                 scalar(&pool, sql).await? as u64
             }
-            Deadlocks::MySql(before) => innodb_deadlocks(&pool).await?.saturating_sub(*before),
+            Deadlocks::MySql(before) => match (before, innodb_deadlocks(&pool).await?) {
+                (Some(before), Some(after)) => after.saturating_sub(*before),
+                _ => {
+                    pool.close().await;
+                    return Ok(None);
+                }
+            },
             Deadlocks::None => unreachable!(),
         };
         pool.close().await;
         Ok(Some(count))
+    }
+}
+
+/// Whether every outbox row of a run is sent, asked on a connection of its own.
+struct Relayed(sqlx::AnyPool);
+
+impl Relayed {
+    async fn open(backend: Backend, url: &str) -> Result<Relayed, String> {
+        let url = match backend {
+            Backend::Sqlite => format!("{url}?mode=ro"),
+            _ => url.to_owned(),
+        };
+        Ok(Relayed(any_pool(&url).await?))
+    }
+
+    async fn all(&self) -> Result<bool, String> {
+        let sql = "SELECT count(*) FROM outbox WHERE sent_at IS NULL";
+        Ok(scalar(&self.0, sql).await? == 0)
+    }
+
+    async fn close(self) {
+        self.0.close().await;
     }
 }
 
@@ -196,14 +225,14 @@ async fn scalar(pool: &sqlx::AnyPool, sql: &str) -> Result<i64, String> {
         .map_err(|e| format!("{sql}: {e}"))
 }
 
-/// MySQL/MariaDB's `Innodb_deadlocks` (0 where the server does not count them).
-async fn innodb_deadlocks(pool: &sqlx::AnyPool) -> Result<u64, String> {
+/// MariaDB's `Innodb_deadlocks` (`None` where the server does not count them).
+async fn innodb_deadlocks(pool: &sqlx::AnyPool) -> Result<Option<u64>, String> {
     let sql = "SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'";
     let row: Option<(String, String)> = sqlx::query_as(sql)
         .fetch_optional(pool)
         .await
         .map_err(|e| format!("{sql}: {e}"))?;
-    Ok(row.and_then(|(_, v)| v.parse().ok()).unwrap_or(0))
+    Ok(row.and_then(|(_, v)| v.parse().ok()))
 }
 
 /// Reads lines until one starts with `prefix`, returning the rest of it.
@@ -263,13 +292,35 @@ pub async fn consumer_run(
             .await
             .map_err(|e| format!("create consumer: {e}"))?;
         let n = options.messages;
-        publish_and_wait(&js, &subject, (0..n).map(|i| request(&name, i, accounts))).await?;
         let mut children = Vec::new();
         for _ in 0..shape.processes {
             children.push(spawn_contender(
                 options, backend, contender, binaries, nats, &db, &name,
             )?);
         }
+        // Every process started (connected, migrated, pulling) before the backlog is published,
+        // so that none's start-up falls inside the measured drain; publishing is much faster
+        // than the drain.
+        let mut consumer: jetstream::consumer::PullConsumer = stream
+            .get_consumer(durable)
+            .await
+            .map_err(|e| e.to_string())?;
+        let started = Instant::now();
+        loop {
+            let info = consumer.info().await.map_err(|e| e.to_string())?;
+            if info.num_waiting as usize >= shape.processes {
+                break;
+            }
+            if started.elapsed() > DEADLINE
+                || children
+                    .iter_mut()
+                    .any(|c| c.try_wait().ok().flatten().is_some())
+            {
+                return Err("the contenders never pulled".into());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        publish_and_wait(&js, &subject, (0..n).map(|i| request(&name, i, accounts))).await?;
         let pids: Vec<u32> = children
             .iter()
             .map(|c| c.id().ok_or("a contender exited at once"))
@@ -287,13 +338,6 @@ pub async fn consumer_run(
             }
             Ok(sum)
         };
-        let mut consumer: jetstream::consumer::PullConsumer = js
-            .get_stream(&name)
-            .await
-            .map_err(|e| e.to_string())?
-            .get_consumer(durable)
-            .await
-            .map_err(|e| e.to_string())?;
         let exited = |children: &mut Vec<Child>| {
             children
                 .iter_mut()
@@ -316,9 +360,11 @@ pub async fn consumer_run(
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         };
+        // ... and with every outbox row relayed: the relays' work is part of the run.
+        let relayed = Relayed::open(backend, &db.url).await?;
         let (t1, me1, server1) = loop {
             let info = consumer.info().await.map_err(|e| e.to_string())?;
-            if info.num_pending == 0 && info.num_ack_pending == 0 {
+            if info.num_pending == 0 && info.num_ack_pending == 0 && relayed.all().await? {
                 break (Instant::now(), all(&pids)?, usage(nats_pid, tick)?);
             }
             if t0.elapsed() > DEADLINE || exited(&mut children) {
@@ -326,6 +372,7 @@ pub async fn consumer_run(
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
+        relayed.close().await;
         let drained = (n as u64 - acked0) as f64;
         // Latency is measured with one process only.
         let (latencies, paced_n) = if shape.processes == 1 {
