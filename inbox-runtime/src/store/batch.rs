@@ -312,21 +312,8 @@ impl<DB: InboxBackend> Inbox<DB> {
                     .handle(decoded, delivery, &mut savepoint, state)
                     .await
                     .map_err(|e| ProcessError::Handler(e.into()))?;
-                // As for one message: the marker must still be there to be finished (a handler
-                // that swallowed an error of an aborted savepoint fails here).
-                let finished = DB::execute_id(&mut *savepoint, self.sql.finish.clone(), id)
-                    .await
-                    .map_err(|source| ProcessError::Database {
-                        stage: Stage::Finish,
-                        source,
-                    })?;
-                match DB::rows_affected(&finished) {
-                    0 => Err(ProcessError::Database {
-                        stage: Stage::Finish,
-                        source: sqlx::Error::RowNotFound,
-                    }),
-                    _ => Ok(()),
-                }
+                // As for one message: the marker must still be there to be finished.
+                self.finish(&mut savepoint, id).await
             };
             let processed = AssertUnwindSafe(one).catch_unwind().await;
             let kept = match processed {

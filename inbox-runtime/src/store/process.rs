@@ -156,20 +156,32 @@ impl<DB: InboxBackend> Inbox<DB> {
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
         // processed_at says when the effect was done; it commits with the effect or not at all.
-        let finished = DB::execute_id(&mut **tx, self.sql.finish.clone(), id)
+        self.finish(tx, id).await?;
+        Ok(Outcome::Ack)
+    }
+
+    /// Sets `processed_at` on the marker `id` this transaction claimed. The marker must still be
+    /// there: a handler that swallowed an error of an aborted transaction (PostgreSQL), or a
+    /// transaction a swallowed deadlock rolled back (MySQL), fails here, and is never committed
+    /// as if it were done. Not a transient error (a retry would not bring the marker back);
+    /// redelivery leaves time to look.
+    pub(crate) async fn finish(
+        &self,
+        conn: &mut DB::Connection,
+        id: i64,
+    ) -> Result<(), ProcessError> {
+        let finished = DB::execute_id(conn, self.sql.finish.clone(), id)
             .await
             .map_err(|source| ProcessError::Database {
                 stage: Stage::Finish,
                 source,
             })?;
-        // The marker this transaction inserted is gone: never commit as if it were done. Not a
-        // transient error (a retry would not bring it back); redelivery leaves time to look.
         match DB::rows_affected(&finished) {
             0 => Err(ProcessError::Database {
                 stage: Stage::Finish,
                 source: sqlx::Error::RowNotFound,
             }),
-            _ => Ok(Outcome::Ack),
+            _ => Ok(()),
         }
     }
 }
