@@ -176,9 +176,20 @@ async fn three_processes_ride_out_two_leader_kills() {
         .get_stream(inbox_runtime::DEFAULT_DLQ_STREAM)
         .await
         .expect("the dead-letter stream");
-    let info = dlq.info().await.unwrap();
+    let info = dlq.info().await.unwrap().clone();
     assert_eq!(info.config.num_replicas, 3, "dead-letter stream replicas");
-    assert_eq!(info.state.messages, 1, "dead letters");
+    // On a mismatch, what each letter says (its Nats-Msg-Id above all): seen once with two.
+    let mut letters = Vec::new();
+    for seq in 1..=info.state.messages {
+        let headers = dlq.get_raw_message(seq).await.map(|m| m.headers);
+        letters.push(format!("{seq}: {headers:?}"));
+    }
+    assert_eq!(
+        info.state.messages,
+        1,
+        "dead letters:\n{}",
+        letters.join("\n")
+    );
 
     let mut expected = BTreeMap::new();
     for r in &all {

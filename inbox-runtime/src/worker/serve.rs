@@ -162,6 +162,13 @@ where
                 let stored = if last {
                     let keep = self.keep_letter(message, &letter, shutdown);
                     with_progress(&[message], self.settings.progress_every, keep).await
+                } else if created.is_none() {
+                    // A letter without the creation time has another id than the one a later
+                    // try (or the backstop) writes: if its term were lost (a leader election,
+                    // when the lookup fails too), the message would be lettered twice. Nak it,
+                    // to be dead-lettered under the one id once the stream answers.
+                    tracing::warn!(original = %reason, "the stream's creation time is unknown; nak, to dead-letter it later");
+                    Err(())
                 } else {
                     self.dead_letters.publish(message, &letter).await.map_err(|e| {
                         tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
