@@ -144,7 +144,12 @@ impl Deadlocks {
     async fn before(backend: Backend, db: &Database) -> Result<Deadlocks, String> {
         Ok(match backend {
             Backend::Postgres => Deadlocks::Postgres,
-            Backend::MySql => Deadlocks::MySql(innodb_deadlocks(&any_pool(&db.url).await?).await?),
+            Backend::MySql => {
+                let pool = any_pool(&db.url).await?;
+                let before = innodb_deadlocks(&pool).await;
+                pool.close().await;
+                Deadlocks::MySql(before?)
+            }
             Backend::Sqlite => Deadlocks::None,
         })
     }
