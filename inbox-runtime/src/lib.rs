@@ -8,7 +8,7 @@ compile_error!(
 
 // The layers, lowest first (ARCHITECTURE.md, "Layers"; `tests/layers.rs` fails on an import
 // that goes up a layer or closes a circle): core (`error`, `key`, `lane`, `backoff`, `metrics`,
-// `layout`, `wake`, `periodic`), backend (`backend`), the handler contract (`delivery`, `handler`,
+// `layout`, `wake`, `periodic`, `stored`, `supervise`), backend (`backend`), the handler contract (`delivery`, `handler`,
 // `claim`), the store (`store`, `classify`), worker and outbox (`worker`, `outbox`), app (`app`).
 mod app;
 mod backend;
@@ -26,6 +26,7 @@ mod outbox;
 mod periodic;
 mod store;
 mod stored;
+mod supervise;
 mod wake;
 mod worker;
 

@@ -65,6 +65,11 @@ pub const OUTBOX_OLDEST_PENDING: &str = "inbox_outbox_oldest_pending_seconds";
 pub const OUTBOX_PUBLISHED: &str = "inbox_outbox_published_total";
 /// `inbox_outbox_republished_total`.
 pub const OUTBOX_REPUBLISHED: &str = "inbox_outbox_republished_total";
+/// `inbox_task_panics_total`: background tasks (relays, upkeep) that panicked and were started
+/// again.
+pub const TASK_PANICS: &str = "inbox_task_panics_total";
+/// `inbox_outbox_failed_total`: outbox rows NATS refused for good.
+pub const OUTBOX_FAILED: &str = "inbox_outbox_failed_total";
 
 /// Registers the descriptions of every series, so that exporters show them (`# HELP`). Called
 /// when a worker starts; harmless when no recorder is installed.
@@ -229,6 +234,10 @@ pub(crate) fn describe_outbox() {
         OUTBOX_REPUBLISHED,
         "Outbox rows published again that the stream had already."
     );
+    describe_counter!(
+        OUTBOX_FAILED,
+        "Outbox rows NATS refused for good (kept as failed; their order key waits)."
+    );
 }
 
 /// What a relay's poll found pending in `outbox`.
@@ -243,4 +252,18 @@ pub(crate) fn outbox_published(outbox: &str, new: u64, again: u64) {
     let outbox = outbox.to_owned();
     metrics::counter!(OUTBOX_PUBLISHED, "outbox" => outbox.clone()).increment(new);
     metrics::counter!(OUTBOX_REPUBLISHED, "outbox" => outbox).increment(again);
+}
+
+/// Rows of `outbox` NATS refused for good.
+pub(crate) fn outbox_failed(outbox: &str, rows: u64) {
+    metrics::counter!(OUTBOX_FAILED, "outbox" => outbox.to_owned()).increment(rows);
+}
+
+/// Background task `task` panicked (and is started again).
+pub(crate) fn task_panicked(task: &'static str) {
+    metrics::describe_counter!(
+        TASK_PANICS,
+        "Background tasks (relays, upkeep) that panicked and were started again."
+    );
+    metrics::counter!(TASK_PANICS, "task" => task).increment(1);
 }

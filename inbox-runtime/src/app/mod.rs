@@ -20,6 +20,7 @@ use crate::backend::InboxBackend;
 use crate::handler::Handler;
 use crate::outbox::Relay;
 use crate::store::Inbox;
+use crate::supervise::supervised;
 use crate::worker::{AdvisoryStream, NoState, Stats, WorkerBuilder};
 use async_nats::jetstream;
 use durable::resolve;
@@ -304,15 +305,24 @@ impl<DB: InboxBackend> App<DB> {
         // The relays outlive the workers' drain: cancelled once every worker has stopped, they
         // make a last pass for what the workers committed last.
         let relays_done = CancellationToken::new();
+        // Each on a task of its own, started again after a panic: a relay's panic (a row it
+        // cannot handle) must never reach the workers, which this future also joins.
         let relaying = relays.into_iter().map(|relay| {
             let (js, done) = (jetstream.clone(), relays_done.clone());
             async move {
                 let table = relay.outbox().table().to_string();
-                let stats = relay.run_until(&js, done).await;
+                let stats = relay.stats_handle();
+                let start = || {
+                    let (relay, js, done) = (relay.clone(), js.clone(), done.clone());
+                    async move { relay.run_until(&js, done).await }
+                };
+                supervised("outbox relay", &done, start).await;
+                let stats = stats();
                 tracing::info!(
                     outbox = %table,
                     published = stats.published,
                     republished = stats.republished,
+                    failed = stats.failed,
                     "outbox relay stopped"
                 );
             }

@@ -3,7 +3,8 @@
 //! (`rows.rs`).
 
 use super::rows::{
-    Backlog, ClaimState, DeleteBatch, KeyId, NewOutboxRow, OpenClaimRow, OutboxRow, ParkedRow,
+    Backlog, ClaimState, DeleteBatch, FailedRow, KeyId, NewOutboxRow, OpenClaimRow, OutboxRow,
+    ParkedRow,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -105,12 +106,29 @@ pub trait Generic: sqlx::Database {
         row: NewOutboxRow<'a>,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
-    /// The outbox: runs `sql` binding `n` and returns its rows.
+    /// The outbox: runs `sql` binding each of `subjects`, then `n`, and returns its rows.
     fn outbox_rows<'a>(
         conn: &'a mut Self::Connection,
         sql: SqlStr,
+        subjects: &'a [String],
         n: i64,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send + 'a;
+
+    /// The outbox: records row `id` (of order key `key`) as refused for good, with `error`.
+    fn outbox_fail<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        id: i64,
+        key: &'a str,
+        error: &'a str,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// The outbox: runs `sql` binding `n` and returns the failed rows it selects.
+    fn outbox_failed<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        n: i64,
+    ) -> impl Future<Output = Result<Vec<FailedRow>, sqlx::Error>> + Send + 'a;
 
     /// The outbox: each order key's smallest pending id, among the rows up to id `up_to`.
     fn outbox_heads<'a>(
@@ -155,6 +173,7 @@ where
     for<'r> ClaimState: sqlx::FromRow<'r, DB::Row>,
     for<'r> OpenClaimRow: sqlx::FromRow<'r, DB::Row>,
     for<'r> OutboxRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> FailedRow: sqlx::FromRow<'r, DB::Row>,
     for<'r> KeyId: sqlx::FromRow<'r, DB::Row>,
     for<'r> Backlog: sqlx::FromRow<'r, DB::Row>,
     usize: sqlx::ColumnIndex<DB::Row>,
@@ -296,12 +315,40 @@ where
         query.execute(conn).await
     }
 
-    async fn outbox_rows(
+    async fn outbox_rows<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        subjects: &'a [String],
+        n: i64,
+    ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+        let mut query = sqlx::query_as::<DB, OutboxRow>(sql);
+        for subject in subjects {
+            query = query.bind(subject.as_str());
+        }
+        query.bind(n).fetch_all(conn).await
+    }
+
+    async fn outbox_fail<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        id: i64,
+        key: &'a str,
+        error: &'a str,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::query::<DB>(sql)
+            .bind(id)
+            .bind(key)
+            .bind(error)
+            .execute(conn)
+            .await
+    }
+
+    async fn outbox_failed(
         conn: &mut DB::Connection,
         sql: SqlStr,
         n: i64,
-    ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-        sqlx::query_as::<DB, OutboxRow>(sql)
+    ) -> Result<Vec<FailedRow>, sqlx::Error> {
+        sqlx::query_as::<DB, FailedRow>(sql)
             .bind(n)
             .fetch_all(conn)
             .await

@@ -83,8 +83,9 @@ impl Backend for MySql {
     }
 
     fn outbox_migration_sql(table: &TableName) -> Vec<String> {
-        vec![format!(
-            "CREATE TABLE IF NOT EXISTS {table} (
+        vec![
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table} (
                 id BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
                 msg_id VARCHAR(255) NOT NULL,
                 subject TEXT NOT NULL,
@@ -95,7 +96,17 @@ impl Backend for MySql {
                 sent_at TIMESTAMP(6) NULL,
                 KEY {table}_pending_idx (sent_at, id)
             ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
-        )]
+            ),
+            // The rows NATS refused for good; each holds back its key's later rows.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table}_failed (
+                id BIGINT NOT NULL PRIMARY KEY,
+                order_key TEXT NOT NULL,
+                error TEXT NOT NULL,
+                failed_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
+            ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
+            ),
+        ]
     }
 
     fn outbox_cleanup_sql(table: &TableName) -> SqlStr {

@@ -69,7 +69,8 @@ impl Backend for Postgres {
     }
 
     fn outbox_migration_sql(table: &TableName) -> Vec<String> {
-        vec![format!(
+        vec![
+            format!(
             "CREATE TABLE IF NOT EXISTS {table} (
                 id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
                 msg_id VARCHAR(255) NOT NULL,
@@ -82,7 +83,17 @@ impl Backend for Postgres {
             );
             CREATE INDEX IF NOT EXISTS {table}_pending_idx ON {table} (id) WHERE sent_at IS NULL;
             CREATE INDEX IF NOT EXISTS {table}_sent_idx ON {table} (sent_at) WHERE sent_at IS NOT NULL;"
-        )]
+            ),
+            // The rows NATS refused for good; each holds back its key's later rows.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table}_failed (
+                id BIGINT PRIMARY KEY,
+                order_key TEXT NOT NULL,
+                error TEXT NOT NULL,
+                failed_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp()
+            )"
+            ),
+        ]
     }
 
     fn outbox_cleanup_sql(table: &TableName) -> SqlStr {

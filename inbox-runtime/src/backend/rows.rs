@@ -63,6 +63,25 @@ pub struct OutboxRow {
     pub payload: Vec<u8>,
 }
 
+/// An outbox row a relay gave up on ([`Outbox::failed`](crate::Outbox::failed)): NATS refused
+/// it for good. It stays in the outbox, unsent, and holds back its order key's later rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FailedRow {
+    /// The row's id.
+    pub id: i64,
+    /// Its `Nats-Msg-Id`.
+    pub msg_id: String,
+    /// The subject it was to be published to.
+    pub subject: String,
+    /// Its order key, held back with it.
+    pub order_key: String,
+    /// Why NATS refused it.
+    pub error: String,
+    /// How long ago the relay gave up on it, in milliseconds.
+    pub failed_ms_ago: i64,
+}
+
 /// An outbox row to write.
 #[derive(Debug, Clone, Copy)]
 pub struct NewOutboxRow<'a> {
@@ -153,6 +172,14 @@ from_row_by_position!(OutboxRow {
     order_key: String = order_key,
     headers: String = headers,
     payload: Vec<u8> = payload,
+});
+from_row_by_position!(FailedRow {
+    id: i64 = id,
+    msg_id: String = msg_id,
+    subject: String = subject,
+    order_key: String = order_key,
+    error: String = error,
+    failed_ms_ago: i64 = failed_ms_ago,
 });
 from_row_by_position!(KeyId {
     key: String = key,

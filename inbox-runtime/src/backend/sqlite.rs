@@ -134,6 +134,15 @@ impl Backend for Sqlite {
                     lease_until TEXT NOT NULL
                 )"
             ),
+            // The rows NATS refused for good; each holds back its key's later rows.
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table}_failed (
+                    id INTEGER PRIMARY KEY,
+                    order_key TEXT NOT NULL,
+                    error TEXT NOT NULL,
+                    failed_at TEXT NOT NULL DEFAULT ({NOW})
+                )"
+            ),
         ]
     }
 

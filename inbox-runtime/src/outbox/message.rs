@@ -81,19 +81,20 @@ impl OutboxMessage {
             });
         }
         for (name, value) in &self.headers {
-            let bad_name = name.is_empty()
-                || name
-                    .bytes()
-                    .any(|b| b == b':' || b.is_ascii_whitespace() || b.is_ascii_control());
-            if bad_name {
+            if !header_name_ok(name) {
                 return Err(InvalidMessage::HeaderName(name.clone()));
             }
-            if value.contains(['\r', '\n']) {
+            if !header_value_ok(value) {
                 return Err(InvalidMessage::HeaderValue(name.clone()));
             }
             if name.eq_ignore_ascii_case("Nats-Msg-Id") {
                 return Err(InvalidMessage::MsgIdHeader);
             }
+        }
+        if let Some(id) = &self.msg_id
+            && !header_value_ok(id)
+        {
+            return Err(InvalidMessage::MsgId);
         }
         for (what, text) in [("message id", &self.msg_id), ("order key", &self.order_key)] {
             if let Some(text) = text
@@ -107,6 +108,27 @@ impl OutboxMessage {
         }
         Ok(())
     }
+
+    /// Its size on the wire (payload and headers, `Nats-Msg-Id` included), without the
+    /// `Nats-Expected-Stream` header the relay adds: at most what NATS counts against
+    /// `max_payload`, less that header.
+    pub(crate) fn wire_size(&self, msg_id: &str) -> usize {
+        // "NATS/1.0\r\n", each "name: value\r\n", the closing "\r\n".
+        let header = |name: &str, value: &str| name.len() + value.len() + 4;
+        let headers: usize = self.headers.iter().map(|(n, v)| header(n, v)).sum();
+        10 + headers + header("Nats-Msg-Id", msg_id) + 2 + self.payload.len()
+    }
+}
+
+/// Whether async-nats takes `name` as a header name (its own rule: printable ASCII but ':'),
+/// without the panic its infallible conversions end in. Empty names are refused too.
+pub(crate) fn header_name_ok(name: &str) -> bool {
+    !name.is_empty() && name.chars().all(|c| c.is_ascii_graphic() && c != ':')
+}
+
+/// Whether async-nats takes `value` as a header value (no line break), without a panic.
+pub(crate) fn header_value_ok(value: &str) -> bool {
+    !value.contains(['\r', '\n'])
 }
 
 /// Why NATS would refuse `subject` as a publish subject.
@@ -157,6 +179,19 @@ pub enum InvalidMessage {
         "outbox messages get Nats-Msg-Id from their row: set it with OutboxMessage::msg_id, not as a header"
     )]
     MsgIdHeader,
+    /// A message id with a line break (NATS headers cannot carry one).
+    #[error("outbox message id has a line break: it is sent as the Nats-Msg-Id header")]
+    MsgId,
+    /// Payload and headers larger than the server's `max_payload`.
+    #[error(
+        "outbox message is {size} bytes with its headers, over the server's max_payload of {max} bytes"
+    )]
+    TooLarge {
+        /// Its size on the wire (payload and headers).
+        size: usize,
+        /// The server's `max_payload`.
+        max: usize,
+    },
     /// A message id or order key empty or too long.
     #[error("outbox message {what} is {len} bytes: it must be 1 to 255")]
     Length {
@@ -182,7 +217,7 @@ mod tests {
                 "{subject:?}"
             );
         }
-        for name in ["", "a:b", "a b"] {
+        for name in ["", "a:b", "a b", "Ünïcode", "tab\there", "del\u{7f}"] {
             let m = ok.clone().header(name, "v");
             assert_eq!(m.check(), Err(InvalidMessage::HeaderName(name.into())));
         }
@@ -190,6 +225,8 @@ mod tests {
         assert_eq!(m.check(), Err(InvalidMessage::HeaderValue("X".into())));
         let m = ok.clone().header("nats-msg-id", "x");
         assert_eq!(m.check(), Err(InvalidMessage::MsgIdHeader));
+        let m = ok.clone().msg_id("a\r\nX-Forged: 1");
+        assert_eq!(m.check(), Err(InvalidMessage::MsgId));
         let m = ok.clone().msg_id("");
         assert!(matches!(m.check(), Err(InvalidMessage::Length { .. })));
         let m = ok.clone().order_key("k".repeat(256));

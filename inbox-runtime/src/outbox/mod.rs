@@ -24,6 +24,7 @@ mod relay;
 mod statements;
 mod streams;
 
+pub use crate::backend::FailedRow;
 pub use error::RelayError;
 pub use message::{InvalidMessage, OutboxMessage};
 #[cfg(feature = "test-util")]
@@ -37,6 +38,7 @@ use sqlx::{Pool, Transaction};
 use statements::OutboxStatements;
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::Notify;
 
 /// A transactional outbox: a table (default `outbox`) of messages written in a handler's
@@ -89,6 +91,8 @@ struct Inner<DB: InboxBackend> {
     sql: OutboxStatements,
     /// Wakes this outbox's relay.
     wake: Arc<Notify>,
+    /// The NATS server's `max_payload`, once a relay has connected (0 until then).
+    max_payload: AtomicUsize,
 }
 
 impl<DB: InboxBackend> Clone for Outbox<DB> {
@@ -121,6 +125,7 @@ impl<DB: InboxBackend> Outbox<DB> {
                 pool,
                 table,
                 wake: Arc::new(Notify::new()),
+                max_payload: AtomicUsize::new(0),
             }),
         }
     }
@@ -170,10 +175,17 @@ impl<DB: InboxBackend> Outbox<DB> {
         tx: &mut Transaction<'_, DB>,
         message: OutboxMessage,
     ) -> Result<String, sqlx::Error> {
-        message
-            .check()
-            .map_err(|e| sqlx::Error::Encode(Box::new(Permanent::new(e))))?;
-        let msg_id = message.msg_id.unwrap_or_else(|| nuid::next().to_string());
+        let refuse = |e: InvalidMessage| sqlx::Error::Encode(Box::new(Permanent::new(e)));
+        message.check().map_err(refuse)?;
+        let msg_id = match &message.msg_id {
+            Some(id) => id.clone(),
+            None => nuid::next().to_string(),
+        };
+        let max = self.inner.max_payload.load(Ordering::Relaxed);
+        let size = message.wire_size(&msg_id);
+        if max > 0 && size > max {
+            return Err(refuse(InvalidMessage::TooLarge { size, max }));
+        }
         let order_key = message.order_key.as_deref().unwrap_or(&message.subject);
         let headers = serde_json::to_string(&message.headers)
             .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
@@ -187,6 +199,43 @@ impl<DB: InboxBackend> Outbox<DB> {
         DB::outbox_insert(&mut **tx, self.inner.sql.insert.clone(), row).await?;
         crate::wake::after_scope(&self.inner.wake);
         Ok(msg_id)
+    }
+
+    /// Records the NATS server's `max_payload` (a relay does, once connected): from then on,
+    /// [`Outbox::enqueue`] refuses a message larger than that.
+    pub(crate) fn learn_max_payload(&self, max: usize) {
+        self.inner.max_payload.store(max, Ordering::Relaxed);
+    }
+
+    /// The rows a relay gave up on (NATS refused them for good: a header or id it cannot
+    /// carry, over `max_payload`), oldest first, at most `limit`. Each holds back its order
+    /// key's later rows until [`Outbox::retry_failed`] (once the cause is fixed) or
+    /// [`Outbox::discard_failed`].
+    pub async fn failed(&self, limit: i64) -> Result<Vec<FailedRow>, sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        DB::outbox_failed(&mut *conn, self.inner.sql.failed.clone(), limit).await
+    }
+
+    /// Lets the relay try failed row `id` again (and its key's later rows after it). Returns
+    /// whether it was failed.
+    pub async fn retry_failed(&self, id: i64) -> Result<bool, sqlx::Error> {
+        let mut conn = self.inner.pool.acquire().await?;
+        let done = DB::execute_id(&mut *conn, self.inner.sql.unfail.clone(), id).await?;
+        self.wake();
+        Ok(DB::rows_affected(&done) > 0)
+    }
+
+    /// Deletes failed row `id` for good (it is never published); its key's later rows go on.
+    /// Returns whether it was failed.
+    pub async fn discard_failed(&self, id: i64) -> Result<bool, sqlx::Error> {
+        let mut tx = self.inner.pool.begin().await?;
+        let done = DB::execute_id(&mut *tx, self.inner.sql.unfail.clone(), id).await?;
+        if DB::rows_affected(&done) > 0 {
+            DB::execute_id(&mut *tx, self.inner.sql.delete.clone(), id).await?;
+        }
+        tx.commit().await?;
+        self.wake();
+        Ok(DB::rows_affected(&done) > 0)
     }
 
     /// Wakes the relay: for rows committed outside a worker's handler.

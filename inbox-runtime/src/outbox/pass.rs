@@ -15,14 +15,17 @@
 //! Then the cleanup of sent rows, under the fleet lock.
 
 use super::error::RelayError;
+use super::message::{header_name_ok, header_value_ok};
 use super::relay::Relay;
 use super::statements::OutboxStatements;
 use super::streams::Checks;
 use crate::backend::fleet::{FleetLock, delete_in_batches};
 use crate::backend::{DEFAULT_LOCK_TIMEOUT, DeleteBatch, InboxBackend, OutboxRow, RelayTurns};
-use async_nats::HeaderMap;
+use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use std::collections::{BTreeMap, HashMap};
+use std::str::FromStr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -43,6 +46,10 @@ impl<DB: InboxBackend> Relay<DB> {
         let sql = self.outbox.statements();
         let pool = self.outbox.pool();
         let limit = i64::from(self.batch);
+        // Subjects without a stream to take them (or with one the relay refuses) are left out
+        // until their check is made again: their rows would otherwise fill every pass.
+        let blocked = checks.blocked();
+        let fetch = sql.fetch_without::<DB>(blocked.len());
         if DB::RELAY_TURNS == RelayTurns::Lease {
             // The lease decides which relay reads; reading and publishing hold no lock,
             // marking is a short write of its own.
@@ -57,58 +64,100 @@ impl<DB: InboxBackend> Relay<DB> {
             if DB::rows_affected(&held) == 0 {
                 return Ok(false);
             }
-            let rows = DB::outbox_rows(&mut *conn, sql.fetch.clone(), limit).await?;
+            let rows = DB::outbox_rows(&mut *conn, fetch, &blocked, limit).await?;
             if rows.is_empty() {
                 return Ok(false);
             }
             let taken = rows.len();
             let heads = heads::<DB>(&mut *conn, sql, &rows).await?;
             drop(conn);
-            let sent = self.publish(js, checks, rows, &heads).await;
+            let done = self.publish(js, checks, rows, &heads).await;
             // More may wait only when a whole batch went: a row held back or failing waits for
             // the next wake-up or poll, rather than being tried again at once.
-            let full = taken as i64 >= limit && sent.len() == taken;
+            let full = taken as i64 >= limit && done.sent.len() == taken;
             self.hook().await;
-            if !sent.is_empty() {
+            if !done.sent.is_empty() || !done.failed.is_empty() {
                 let mut conn = pool.acquire().await?;
-                DB::execute_raw(&mut *conn, sql.mark_sent::<DB>(&sent)).await?;
-                self.counters
-                    .marked
-                    .fetch_add(sent.len() as u64, Ordering::Relaxed);
+                self.record(&mut *conn, &done).await?;
             }
             return Ok(full);
         }
         let mut tx = DB::begin(pool, DB::begin_sql(DEFAULT_LOCK_TIMEOUT)).await?;
-        let rows = DB::outbox_rows(&mut *tx, sql.fetch.clone(), limit).await?;
+        let rows = DB::outbox_rows(&mut *tx, fetch, &blocked, limit).await?;
         if rows.is_empty() {
             tx.commit().await?;
             return Ok(false);
         }
         let taken = rows.len();
         let heads = heads::<DB>(&mut *tx, sql, &rows).await?;
-        let sent = self.publish(js, checks, rows, &heads).await;
-        let full = taken as i64 >= limit && sent.len() == taken;
+        let done = self.publish(js, checks, rows, &heads).await;
+        let full = taken as i64 >= limit && done.sent.len() == taken;
         self.hook().await;
-        if !sent.is_empty() {
-            DB::execute_raw(&mut *tx, sql.mark_sent::<DB>(&sent)).await?;
-        }
+        self.record(&mut *tx, &done).await?;
         tx.commit().await?;
+        self.count_recorded(&done);
+        Ok(full)
+    }
+
+    /// Marks `done`'s rows sent, and records its failed rows, on `conn`.
+    async fn record(&self, conn: &mut DB::Connection, done: &Published) -> Result<(), RelayError> {
+        let sql = self.outbox.statements();
+        if !done.sent.is_empty() {
+            DB::execute_raw(&mut *conn, sql.mark_sent::<DB>(&done.sent)).await?;
+        }
+        for failed in &done.failed {
+            DB::outbox_fail(
+                &mut *conn,
+                sql.fail.clone(),
+                failed.id,
+                &failed.order_key,
+                &failed.error,
+            )
+            .await?;
+        }
+        if DB::RELAY_TURNS == RelayTurns::Lease {
+            // No transaction to commit: written already.
+            self.count_recorded(done);
+        }
+        Ok(())
+    }
+
+    /// Counts and logs what [`Relay::record`] wrote, once it is committed.
+    fn count_recorded(&self, done: &Published) {
+        let table = self.outbox.table().as_str();
         self.counters
             .marked
-            .fetch_add(sent.len() as u64, Ordering::Relaxed);
-        Ok(full)
+            .fetch_add(done.sent.len() as u64, Ordering::Relaxed);
+        for failed in &done.failed {
+            tracing::error!(
+                outbox = table,
+                id = failed.id,
+                msg_id = %failed.msg_id,
+                subject = %failed.subject,
+                order_key = %failed.order_key,
+                error = %failed.error,
+                "NATS refuses outbox row for good: it is kept as failed, and its order key's later rows wait (Outbox::retry_failed or Outbox::discard_failed)"
+            );
+        }
+        if !done.failed.is_empty() {
+            self.counters
+                .failed
+                .fetch_add(done.failed.len() as u64, Ordering::Relaxed);
+            crate::metrics::outbox_failed(table, done.failed.len() as u64);
+        }
     }
 
     /// Publishes `rows` (in id order) whose key is not held back by an older pending row outside
     /// them (`heads`: each key's smallest pending id), a key's rows one after the other, keys
-    /// side by side. Returns the ids JetStream has stored.
+    /// side by side. Returns the ids JetStream has stored, and the rows NATS refused for good
+    /// (a key stops at its first refused row).
     async fn publish(
         &self,
         js: &jetstream::Context,
         checks: &mut Checks,
         rows: Vec<OutboxRow>,
         heads: &HashMap<String, i64>,
-    ) -> Vec<i64> {
+    ) -> Published {
         let mut keys: BTreeMap<String, Vec<OutboxRow>> = BTreeMap::new();
         for row in rows {
             keys.entry(row.order_key.clone()).or_default().push(row);
@@ -128,7 +177,8 @@ impl<DB: InboxBackend> Relay<DB> {
             let streams = &streams;
             async move {
                 let mut sent = Vec::with_capacity(rows.len());
-                for OutboxRow { id, msg_id, subject, headers, payload, .. } in rows {
+                let mut failed = None;
+                for OutboxRow { id, msg_id, subject, order_key, headers, payload } in rows {
                     if Instant::now() >= deadline {
                         break;
                     }
@@ -141,20 +191,25 @@ impl<DB: InboxBackend> Relay<DB> {
                     };
                     match publish_one(js, stream, &subject, &msg_id, &headers, payload).await {
                         Ok(duplicate) => sent.push((id, duplicate)),
-                        Err(e) => {
+                        Err(Refusal::Later(e)) => {
                             tracing::warn!(outbox = table, %subject, error = %e, "publishing outbox row {msg_id} failed; it stays pending");
+                            break;
+                        }
+                        Err(Refusal::ForGood(error)) => {
+                            failed = Some(FailedSend { id, msg_id, subject, order_key, error });
                             break;
                         }
                     }
                 }
-                sent
+                (sent, failed)
             }
         });
-        let sent: Vec<(i64, bool)> = futures::future::join_all(sends)
-            .await
-            .into_iter()
-            .flatten()
-            .collect();
+        let mut failed = Vec::new();
+        let mut sent: Vec<(i64, bool)> = Vec::new();
+        for (key_sent, key_failed) in futures::future::join_all(sends).await {
+            sent.extend(key_sent);
+            failed.extend(key_failed);
+        }
         let again = sent.iter().filter(|(_, duplicate)| *duplicate).count() as u64;
         let new = sent.len() as u64 - again;
         self.counters.published.fetch_add(new, Ordering::Relaxed);
@@ -162,7 +217,10 @@ impl<DB: InboxBackend> Relay<DB> {
             .republished
             .fetch_add(again, Ordering::Relaxed);
         crate::metrics::outbox_published(table, new, again);
-        sent.into_iter().map(|(id, _)| id).collect()
+        Published {
+            sent: sent.into_iter().map(|(id, _)| id).collect(),
+            failed,
+        }
     }
 
     /// Deletes rows sent longer ago than the retention, in batches, one instance at a time.
@@ -206,7 +264,35 @@ async fn heads<DB: InboxBackend>(
     Ok(heads.into_iter().map(|head| (head.key, head.id)).collect())
 }
 
-/// Publishes one row and waits for its PubAck: `Ok(true)` when the stream had it already.
+/// What a pass's publishing came to.
+struct Published {
+    /// The rows JetStream stored.
+    sent: Vec<i64>,
+    /// The rows NATS refused for good.
+    failed: Vec<FailedSend>,
+}
+
+/// A row NATS refused for good, and why.
+struct FailedSend {
+    id: i64,
+    msg_id: String,
+    subject: String,
+    order_key: String,
+    error: String,
+}
+
+/// Why a row was not published.
+enum Refusal {
+    /// It may go later (JetStream did not answer, or not yet): it stays pending.
+    Later(async_nats::Error),
+    /// NATS can never take it as it is (a header or id the protocol cannot carry, larger than
+    /// `max_payload`): it is recorded as failed.
+    ForGood(String),
+}
+
+/// Publishes one row and waits for its PubAck: `Ok(true)` when the stream had it already. A row
+/// written by another writer (or an older version) that NATS cannot carry is refused, never a
+/// panic inside the client.
 async fn publish_one(
     js: &jetstream::Context,
     stream: &str,
@@ -214,17 +300,48 @@ async fn publish_one(
     msg_id: &str,
     headers: &str,
     payload: Vec<u8>,
-) -> Result<bool, async_nats::Error> {
-    let pairs: Vec<(String, String)> = serde_json::from_str(headers)?;
+) -> Result<bool, Refusal> {
+    let pairs: Vec<(String, String)> = serde_json::from_str(headers).map_err(|e| {
+        Refusal::ForGood(format!(
+            "its headers are not a JSON list of (name, value) pairs: {e}"
+        ))
+    })?;
     let mut map = HeaderMap::new();
-    for (name, value) in &pairs {
-        map.append(name.as_str(), value.as_str());
+    for (name, value) in pairs {
+        if !header_name_ok(&name) {
+            return Err(Refusal::ForGood(format!(
+                "header name {name:?} is not valid in NATS (empty, or not printable ASCII, or with ':')"
+            )));
+        }
+        let Ok(value) = HeaderValue::from_str(&value) else {
+            return Err(Refusal::ForGood(format!(
+                "header {name:?} has a line break in its value"
+            )));
+        };
+        let Ok(name) = HeaderName::from_str(&name) else {
+            return Err(Refusal::ForGood(format!(
+                "header name {name:?} is not valid in NATS"
+            )));
+        };
+        map.append(name, value);
+    }
+    if !header_value_ok(msg_id) {
+        return Err(Refusal::ForGood(format!(
+            "message id {msg_id:?} has a line break (it is sent as the Nats-Msg-Id header)"
+        )));
     }
     let message = PublishMessage::build()
         .payload(payload.into())
         .headers(map)
         .message_id(msg_id)
         .expected_stream(stream);
-    let ack = js.send_publish(subject.to_owned(), message).await?.await?;
+    let ack = js
+        .send_publish(subject.to_owned(), message)
+        .await
+        .map_err(|e| match e.kind() {
+            PublishErrorKind::MaxPayloadExceeded => Refusal::ForGood(e.to_string()),
+            _ => Refusal::Later(e.into()),
+        })?;
+    let ack = ack.await.map_err(|e| Refusal::Later(e.into()))?;
     Ok(ack.duplicate)
 }

@@ -40,6 +40,8 @@ pub struct RelayStats {
     pub republished: u64,
     /// Rows marked sent.
     pub marked: u64,
+    /// Rows NATS refused for good, recorded as failed ([`Outbox::failed`]).
+    pub failed: u64,
 }
 
 /// What a relay did, counted while it runs (shared with its stats handles).
@@ -48,6 +50,7 @@ pub(super) struct Counters {
     pub(super) published: AtomicU64,
     pub(super) republished: AtomicU64,
     pub(super) marked: AtomicU64,
+    pub(super) failed: AtomicU64,
 }
 
 impl Counters {
@@ -56,6 +59,7 @@ impl Counters {
             published: self.published.load(Ordering::Relaxed),
             republished: self.republished.load(Ordering::Relaxed),
             marked: self.marked.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
         }
     }
 }
@@ -78,6 +82,25 @@ pub struct Relay<DB: InboxBackend> {
     pub(super) lease: Duration,
     #[cfg(feature = "test-util")]
     before_mark: Option<Hook>,
+}
+
+impl<DB: InboxBackend> Clone for Relay<DB> {
+    /// The same relay: same outbox, options, counters and name in the lease (a relay started
+    /// again after a panic).
+    fn clone(&self) -> Self {
+        Relay {
+            outbox: self.outbox.clone(),
+            batch: self.batch,
+            poll: self.poll,
+            retention: self.retention,
+            streams: self.streams.clone(),
+            counters: Arc::clone(&self.counters),
+            owner: self.owner.clone(),
+            lease: self.lease,
+            #[cfg(feature = "test-util")]
+            before_mark: self.before_mark.clone(),
+        }
+    }
 }
 
 impl<DB: InboxBackend> Relay<DB> {
@@ -143,6 +166,7 @@ impl<DB: InboxBackend> Relay<DB> {
     /// application's own rather than by [`Relay::run_until`].
     pub async fn drain(&self, js: &jetstream::Context) -> Result<RelayStats, RelayError> {
         let before = self.stats();
+        self.learn_max_payload(js);
         let mut checks = Checks::default();
         while self.pass(js, &mut checks).await? {}
         let after = self.stats();
@@ -150,6 +174,7 @@ impl<DB: InboxBackend> Relay<DB> {
             published: after.published - before.published,
             republished: after.republished - before.republished,
             marked: after.marked - before.marked,
+            failed: after.failed - before.failed,
         })
     }
 
@@ -174,6 +199,13 @@ impl<DB: InboxBackend> Relay<DB> {
         self
     }
 
+    /// Tells the outbox the server's `max_payload`, so that it refuses larger messages when they
+    /// are written rather than when they are relayed.
+    fn learn_max_payload(&self, js: &jetstream::Context) {
+        self.outbox
+            .learn_max_payload(js.client().server_info().max_payload);
+    }
+
     /// Runs the `before_mark` hook, if a test set one (nothing without `test-util`).
     pub(super) async fn hook(&self) {
         #[cfg(feature = "test-util")]
@@ -185,6 +217,7 @@ impl<DB: InboxBackend> Relay<DB> {
     /// Checks every stream named with [`Relay::stream`]: it exists, stores a message before its
     /// PubAck (no `persist_mode: async`), and has a duplicate window shorter than the retention.
     pub async fn check(&self, js: &jetstream::Context) -> Result<(), RelayError> {
+        self.learn_max_payload(js);
         for stream in &self.streams {
             check_stream(js, stream, self.retention).await?;
         }
@@ -201,6 +234,7 @@ impl<DB: InboxBackend> Relay<DB> {
     ) -> RelayStats {
         crate::metrics::describe_outbox();
         let table = self.outbox.table().to_string();
+        self.learn_max_payload(js);
         let mut checks = Checks::default();
         let mut poll = tokio::time::interval(self.poll);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

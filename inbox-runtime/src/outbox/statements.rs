@@ -7,8 +7,18 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 pub(crate) struct OutboxStatements {
     /// Binds msg id, subject, order key, headers (JSON), payload.
     pub(crate) insert: SqlStr,
-    /// Binds a limit: the oldest pending rows, locked (passing over those another relay holds).
+    /// Binds a limit: the oldest pending rows, locked (passing over those another relay holds),
+    /// but for the keys of failed rows ([`OutboxStatements::fetch_without`] also leaves out
+    /// subjects).
     pub(crate) fetch: SqlStr,
+    /// Binds id, order key, error: records a row as failed.
+    pub(crate) fail: SqlStr,
+    /// Binds a limit: the failed rows, oldest first.
+    pub(crate) failed: SqlStr,
+    /// Binds an id: forgets that the row failed.
+    pub(crate) unfail: SqlStr,
+    /// Binds an id: deletes the row.
+    pub(crate) delete: SqlStr,
     /// Binds an id: (order key, smallest id) of pending rows up to that id.
     pub(crate) heads: SqlStr,
     /// (pending rows, age in ms of the oldest).
@@ -35,12 +45,23 @@ impl OutboxStatements {
                 p(4),
                 p(5)
             )),
-            fetch: sql(format!(
-                "SELECT id, msg_id, subject, order_key, headers, payload FROM {table} \
-                 WHERE sent_at IS NULL ORDER BY id LIMIT {}{}",
+            fetch: fetch_sql::<DB>(table, 0),
+            fail: sql(format!(
+                "INSERT INTO {table}_failed (id, order_key, error) VALUES ({}, {}, {})",
                 p(1),
-                DB::RELAY_TURNS.fetch_suffix()
+                p(2),
+                p(3)
             )),
+            failed: sql(format!(
+                "SELECT o.id, o.msg_id, o.subject, o.order_key, f.error, \
+                 CAST(-({}) AS {int}) FROM {table}_failed f JOIN {table} o ON o.id = f.id \
+                 ORDER BY f.id LIMIT {}",
+                DB::ms_until_sql("f.failed_at"),
+                p(1),
+                int = DB::INT64
+            )),
+            unfail: sql(format!("DELETE FROM {table}_failed WHERE id = {}", p(1))),
+            delete: sql(format!("DELETE FROM {table} WHERE id = {}", p(1))),
             heads: sql(format!(
                 "SELECT order_key, MIN(id) FROM {table} WHERE sent_at IS NULL AND id <= {} \
                  GROUP BY order_key",
@@ -66,9 +87,39 @@ impl OutboxStatements {
         }
     }
 
+    /// [`OutboxStatements::fetch`] leaving out rows to `subjects` too (bound first, the limit
+    /// last): subjects whose stream is missing or refused, whose rows would fill every pass.
+    pub(crate) fn fetch_without<DB: InboxBackend>(&self, subjects: usize) -> SqlStr {
+        match subjects {
+            0 => self.fetch.clone(),
+            n => fetch_sql::<DB>(&self.table, n),
+        }
+    }
+
     /// Marks rows `ids` sent. The ids are the database's own integers, written into the
     /// statement (it runs unprepared, since its text changes with every batch).
     pub(crate) fn mark_sent<DB: InboxBackend>(&self, ids: &[i64]) -> SqlStr {
         stamp_ids_sql::<DB>(&self.table, "sent_at", ids)
     }
+}
+
+/// The pending rows of `table`, oldest first, locked where relays lock them, but for the keys of
+/// failed rows and (bound first) `subjects` subjects; binds the limit last.
+fn fetch_sql<DB: InboxBackend>(table: &TableName, subjects: usize) -> SqlStr {
+    let p = DB::param;
+    let without = match subjects {
+        0 => String::new(),
+        n => {
+            let list: Vec<String> = (1..=n).map(p).collect();
+            format!(" AND subject NOT IN ({})", list.join(", "))
+        }
+    };
+    AssertSqlSafe(format!(
+        "SELECT id, msg_id, subject, order_key, headers, payload FROM {table} \
+         WHERE sent_at IS NULL AND order_key NOT IN (SELECT order_key FROM {table}_failed){without} \
+         ORDER BY id LIMIT {}{}",
+        p(subjects + 1),
+        DB::RELAY_TURNS.fetch_suffix()
+    ))
+    .into_sql_str()
 }

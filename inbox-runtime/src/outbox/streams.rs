@@ -17,6 +17,16 @@ pub(crate) struct Checks {
 }
 
 impl Checks {
+    /// The subjects whose check failed (no stream takes them, or the relay refuses it), while
+    /// that answer is trusted: their rows are left out of passes until it is checked again.
+    pub(super) fn blocked(&self) -> Vec<String> {
+        self.by_subject
+            .iter()
+            .filter(|(_, (at, checked))| checked.is_err() && at.elapsed() < CHECK_TTL)
+            .map(|(subject, _)| subject.clone())
+            .collect()
+    }
+
     /// The stream that takes `subject`, if it is safe to relay to; else why not.
     pub(super) async fn stream_for(
         &mut self,

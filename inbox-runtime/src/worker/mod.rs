@@ -40,6 +40,7 @@ pub use transport_id::transport_id;
 
 use crate::handler::Handler;
 use crate::store::Inbox;
+use crate::supervise::supervised;
 use async_nats::jetstream::consumer::PullConsumer;
 use check::Settings;
 use dead_letter::DeadLetters;
@@ -47,6 +48,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+/// An upkeep task's future, started again after a panic.
+type Upkeep = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// A snapshot of a worker's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -248,59 +252,96 @@ where
             "inbox worker started"
         );
         let tasks = TaskTracker::new();
+        // Each upkeep task on a task of its own, started again after a panic (logged and
+        // counted) rather than gone for good.
+        let keep = |name: &'static str, start: Box<dyn FnMut() -> Upkeep + Send>| {
+            let stop = shutdown.clone();
+            tasks.spawn(async move { supervised(name, &stop, start).await });
+        };
         if let Some(schedule) = self.inner.settings.cleanup {
             let inbox = self.inner.inbox.clone();
             let progress = (self.inner.jetstream.clone(), self.inner.consumer.clone());
             let stop = shutdown.clone();
-            tasks.spawn(upkeep::clean_up(
-                inbox,
-                H::CONSUMER,
-                progress,
-                schedule,
-                stop,
-            ));
+            keep(
+                "inbox cleanup",
+                Box::new(move || {
+                    Box::pin(upkeep::clean_up(
+                        inbox.clone(),
+                        H::CONSUMER,
+                        progress.clone(),
+                        schedule,
+                        stop.clone(),
+                    ))
+                }),
+            );
         }
         if let Some(partitions) = self.inner.inbox.partitions() {
-            let inbox = self.inner.inbox.clone();
-            tasks.spawn(upkeep::add_partitions(inbox, partitions, shutdown.clone()));
+            let (inbox, stop) = (self.inner.inbox.clone(), shutdown.clone());
+            keep(
+                "inbox partitions",
+                Box::new(move || {
+                    Box::pin(upkeep::add_partitions(
+                        inbox.clone(),
+                        partitions,
+                        stop.clone(),
+                    ))
+                }),
+            );
         }
-        tasks.spawn(upkeep::relay_parked_letters(
-            self.inner.clone(),
-            shutdown.clone(),
-        ));
-        {
-            let inner = self.inner.clone();
-            let stop = shutdown.clone();
-            tasks.spawn(async move {
-                let info = inner.consumer.cached_info();
-                circuit::mirror_on_server(
-                    &inner.circuit,
-                    &inner.jetstream,
-                    &info.stream_name,
-                    &info.name,
-                    &stop,
-                )
-                .await
-            });
-        }
+        let (inner, stop) = (self.inner.clone(), shutdown.clone());
+        keep(
+            "parked letters",
+            Box::new(move || Box::pin(upkeep::relay_parked_letters(inner.clone(), stop.clone()))),
+        );
+        let (inner, stop) = (self.inner.clone(), shutdown.clone());
+        keep(
+            "circuit mirror",
+            Box::new(move || {
+                let (inner, stop) = (inner.clone(), stop.clone());
+                Box::pin(async move {
+                    let info = inner.consumer.cached_info();
+                    circuit::mirror_on_server(
+                        &inner.circuit,
+                        &inner.jetstream,
+                        &info.stream_name,
+                        &info.name,
+                        &stop,
+                    )
+                    .await
+                })
+            }),
+        );
         if let Some(advisories) = self.inner.settings.backstop.clone() {
             backstop::ready(&self.inner, &advisories, &shutdown).await;
-            tasks.spawn(backstop::run(
-                self.inner.clone(),
-                advisories,
-                shutdown.clone(),
-            ));
+            let (inner, stop) = (self.inner.clone(), shutdown.clone());
+            keep(
+                "delivery-limit backstop",
+                Box::new(move || {
+                    Box::pin(backstop::run(
+                        inner.clone(),
+                        advisories.clone(),
+                        stop.clone(),
+                    ))
+                }),
+            );
         }
-        tasks.spawn(upkeep::refresh_max_deliver(
-            self.inner.clone(),
-            shutdown.clone(),
-        ));
+        let (inner, stop) = (self.inner.clone(), shutdown.clone());
+        keep(
+            "max_deliver refresh",
+            Box::new(move || Box::pin(upkeep::refresh_max_deliver(inner.clone(), stop.clone()))),
+        );
         if let Some(sweep) = self.inner.settings.sweep {
-            tasks.spawn(upkeep::sweep_open_claims(
-                self.inner.clone(),
-                sweep,
-                shutdown.clone(),
-            ));
+            let (inner, stop) = (self.inner.clone(), shutdown.clone());
+            keep(
+                "open claims sweep",
+                Box::new(move || {
+                    Box::pin(upkeep::sweep_open_claims(
+                        inner.clone(),
+                        sweep,
+                        stop.clone(),
+                    ))
+                }),
+            );
         }
         pull::run(&self.inner, &shutdown, &tasks).await;
         tasks.close();

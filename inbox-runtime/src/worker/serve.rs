@@ -17,7 +17,6 @@ use crate::store::Inbox;
 use async_nats::jetstream::AckKind;
 use async_nats::jetstream::message::Message;
 use futures::FutureExt;
-use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
@@ -401,14 +400,7 @@ pub(super) async fn with_progress<T>(
     }
 }
 
-/// What a panic said, when it said it with a string.
-pub(super) fn panic_text(panic: &(dyn Any + Send)) -> String {
-    panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".to_owned())
-}
+pub(super) use crate::supervise::panic_text;
 
 async fn nak(message: &Message, delay: Duration) {
     if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {

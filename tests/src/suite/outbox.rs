@@ -13,7 +13,12 @@
 //!   their order;
 //! - sent rows go once older than the retention, and a row never sent stays;
 //! - the relay refuses a stream whose duplicate window is not shorter than its retention, and
-//!   (on servers that have it) one with `persist_mode: async`.
+//!   (on servers that have it) one with `persist_mode: async`;
+//! - rows NATS refuses (a header or message id it cannot carry, written by another writer; over
+//!   `max_payload`; a subject no stream takes, more of them than a pass takes) neither panic the
+//!   relay nor stall the other keys: the refused ones are kept as failed, holding back their
+//!   key, and `enqueue` refuses such messages up front;
+//! - a relay that panics is started again by the App, whose workers go on.
 
 use super::setup;
 use crate::backends::TestBackend;
@@ -523,6 +528,169 @@ async fn cleanup_deletes_sent_rows_after_the_retention<B: TestBackend>() {
     assert_eq!(events.count().await, 2);
 }
 
+/// The test.
+async fn refused_rows_neither_panic_the_relay_nor_stall_other_keys<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let subject = &*events.subject;
+    let max = nats.js.client().server_info().max_payload;
+    // Written by another writer (or before the relay told the outbox the server's limit): a
+    // header name NATS cannot carry, a message id with a line break, a payload over
+    // max_payload. Each of the first two has a later row of its key behind it.
+    let ids = commit(
+        &outbox,
+        [
+            OutboxMessage::new(subject, b"bad header".to_vec()).order_key("h"),
+            OutboxMessage::new(subject, b"after bad header".to_vec()).order_key("h"),
+            OutboxMessage::new(subject, b"bad id".to_vec())
+                .msg_id("bad-id")
+                .order_key("i"),
+            OutboxMessage::new(subject, b"after bad id".to_vec()).order_key("i"),
+            OutboxMessage::new(subject, vec![b'x'; max + 1]).order_key("big"),
+        ],
+    )
+    .await;
+    let forge = |sql: String| B::exec(&db, Box::leak(sql.into_boxed_str()));
+    forge(format!(
+        "UPDATE outbox SET headers = '[[\"Ünïcode\",\"v\"]]' WHERE msg_id = '{}'",
+        ids[0]
+    ))
+    .await;
+    forge("UPDATE outbox SET msg_id = 'bad\r\nX-Forged: 1' WHERE msg_id = 'bad-id'".into()).await;
+    // More rows to a subject no stream takes than a pass takes, each its own key.
+    let nowhere = format!("nowhere.{}", unique("s").to_lowercase());
+    commit(
+        &outbox,
+        (0..12).map(|i| OutboxMessage::new(&*nowhere, b"n".to_vec()).order_key(format!("n{i}"))),
+    )
+    .await;
+    let good = commit(
+        &outbox,
+        (0..3).map(|i| OutboxMessage::new(subject, format!("good {i}")).order_key(format!("g{i}"))),
+    )
+    .await;
+    let relay = Relay::new(outbox.clone())
+        .batch(5)
+        .poll_interval(Duration::from_millis(100));
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("the good rows past the refused ones", DEADLINE, || async {
+        events.count().await == 3
+    })
+    .await
+    .unwrap();
+    wait_until(
+        "the refused rows to be kept as failed",
+        DEADLINE,
+        || async { outbox.failed(10).await.unwrap().len() == 3 },
+    )
+    .await
+    .unwrap();
+    let stored: Vec<String> = events
+        .messages()
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(stored, good, "only the good rows, in order");
+    let failed = outbox.failed(10).await.unwrap();
+    let why: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
+    assert!(why[0].contains("header name"), "{why:?}");
+    assert!(why[1].contains("line break"), "{why:?}");
+    assert!(why[2].contains("max payload"), "{why:?}");
+    assert_eq!(
+        failed
+            .iter()
+            .map(|f| f.order_key.as_str())
+            .collect::<Vec<_>>(),
+        ["h", "i", "big"]
+    );
+    // Now that the relay knows the server's limit, such a message is refused when written.
+    let mut tx = outbox.pool().begin().await.unwrap();
+    let refused = outbox
+        .enqueue(&mut tx, OutboxMessage::new(subject, vec![b'x'; max + 1]))
+        .await
+        .unwrap_err();
+    assert!(refused.to_string().contains("max_payload"), "{refused}");
+    drop(tx);
+    // A failed row discarded lets its key's next row go; the other failed keys still wait.
+    assert!(outbox.discard_failed(failed[0].id).await.unwrap());
+    wait_until(
+        "the held row behind the discarded one",
+        DEADLINE,
+        || async { events.count().await == 4 },
+    )
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.expect("the relay never panicked");
+    assert_eq!((stats.published, stats.failed), (4, 3), "{stats:?}");
+    let stored = events.messages().await;
+    assert_eq!(stored[3].1, b"after bad header");
+    // Pending: the two failed rows, the row held behind one, and the twelve with no stream.
+    assert_eq!(outbox.pending().await.unwrap().0, 15);
+}
+
+/// The test.
+async fn a_relay_that_panics_is_started_again_and_the_workers_go_on<B: TestBackend>() {
+    let Announcing {
+        db,
+        outbox,
+        nats,
+        events,
+        worker: _,
+    } = Announcing::<B>::set_up().await;
+    let inbox = B::inbox(db.pool.clone());
+    let announcer = Announcer {
+        outbox: outbox.clone(),
+        subject: events.subject.clone(),
+    };
+    // The relay's first pass panics between its PubAcks and its mark.
+    let panicked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let first = Arc::clone(&panicked);
+    let relay = Relay::new(outbox.clone()).before_mark(Arc::new(move || {
+        let first = !first.swap(true, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if first {
+                panic!("a relay's bug");
+            }
+        }
+        .boxed()
+    }));
+    let app = inbox_runtime::App::new(inbox, &nats.js)
+        .handler_configured(
+            B::Announce::default(),
+            announcer,
+            inbox_runtime::Durable::existing(&nats.stream, "c"),
+            |w| w.concurrency(1),
+        )
+        .relay(relay);
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn(app.run_until(shutdown.clone()));
+    let entries: Vec<Entry> = (0..4).map(|i| Entry::new(format!("k{i}"), i, 1)).collect();
+    nats.publish_all(entries[..2].iter().map(Entry::json)).await;
+    wait_until("the relay to panic", DEADLINE, || async {
+        panicked.load(std::sync::atomic::Ordering::SeqCst)
+    })
+    .await
+    .unwrap();
+    // The workers go on, and the relay, started again, publishes every event once.
+    nats.publish_all(entries[2..].iter().map(Entry::json)).await;
+    wait_until("every event", DEADLINE, || async {
+        events.count().await == 4
+    })
+    .await
+    .unwrap();
+    nats.wait_drained("c").await;
+    shutdown.cancel();
+    let stats = running.await.expect("the app never panicked").unwrap();
+    assert_eq!(stats.get("announce").map(|s| s.acked), Some(4), "{stats:?}");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 4);
+    let pending = "SELECT count(*) FROM outbox WHERE sent_at IS NULL";
+    assert_eq!(B::count(&db, pending).await, 0);
+}
+
 /// Whether nats-server `version` ("2.12.0", "v2.15.1-beta") is at least `(major, minor)`.
 fn at_least(version: &str, wanted: (u64, u64)) -> bool {
     let mut parts = version
@@ -543,4 +711,6 @@ super::behaviours!(
     two_relays_publish_each_row_once_in_key_order,
     relay_refuses_streams_it_cannot_relay_to_safely,
     cleanup_deletes_sent_rows_after_the_retention,
+    refused_rows_neither_panic_the_relay_nor_stall_other_keys,
+    a_relay_that_panics_is_started_again_and_the_workers_go_on,
 );
