@@ -38,11 +38,16 @@ pub const MAX_AGE: Duration = Duration::from_secs(3 * 24 * 3600);
 /// Why the example could not start.
 pub type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// Logs (scrubbed of `secrets`) to stderr at `RUST_LOG` (default `info`), and a panic's message
-/// scrubbed too, for the example binary `name`.
+/// Logs (scrubbed of `secrets`) to stderr at `RUST_LOG` (default `info`), in colour only on a
+/// terminal without `NO_COLOR`, and a panic's message scrubbed too, for the example binary
+/// `name`.
 pub fn init_logs(name: &'static str, secrets: &redact::Secrets) {
+    use std::io::IsTerminal;
     use tracing_subscriber::EnvFilter;
+    // Colours for a terminal only: a file, a pipe or a log collector gets plain text.
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
     tracing_subscriber::fmt()
+        .with_ansi(colour)
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )

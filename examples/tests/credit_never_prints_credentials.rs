@@ -30,13 +30,23 @@ struct Credit {
 impl Credit {
     /// Starts `credit` on `nats_url` and `database_url`, logging at `debug`.
     fn spawn(nats_url: &str, database_url: &str) -> Credit {
+        Credit::spawn_with(nats_url, database_url, |c| c)
+    }
+
+    /// [`Credit::spawn`], its command changed by `adjust` first.
+    fn spawn_with(
+        nats_url: &str,
+        database_url: &str,
+        adjust: impl FnOnce(&mut Command) -> &mut Command,
+    ) -> Credit {
         let name = unique("credit-redacts-");
         let stdout = std::env::temp_dir().join(format!("{name}.out"));
         let stderr = std::env::temp_dir().join(format!("{name}.err"));
         let file = |path: &PathBuf| {
             std::fs::File::create(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
         };
-        let child = Command::new(env!("CARGO_BIN_EXE_credit"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_credit"));
+        command
             .env("NATS_URL", nats_url)
             .env("DATABASE_URL", database_url)
             .env("CREDIT_STREAM", unique("REDACT_"))
@@ -47,9 +57,8 @@ impl Credit {
             .stdin(Stdio::null())
             .stdout(Stdio::from(file(&stdout)))
             .stderr(Stdio::from(file(&stderr)))
-            .kill_on_drop(true)
-            .spawn()
-            .expect("start credit");
+            .kill_on_drop(true);
+        let child = adjust(&mut command).spawn().expect("start credit");
         Credit {
             child,
             stdout,
@@ -197,4 +206,24 @@ async fn malformed_urls_are_never_printed_with_their_secret() {
         assert!(!status.success(), "credit accepted a malformed URL");
         credit.assert_redacted(&[&password], &shown);
     }
+}
+
+/// A log that goes to a file (or a pipe, a log collector) holds no ANSI colour codes, also
+/// without `NO_COLOR`: only a terminal gets colours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_to_a_file_has_no_colour_codes() {
+    let database_url = format!("postgres://postgres@{CLOSED}/test");
+    let mut credit = Credit::spawn_with(&format!("nats://{CLOSED}"), &database_url, |c| {
+        c.env_remove("NO_COLOR")
+    });
+    credit.logged("NATS is not reachable").await;
+    credit.sigterm();
+    let status = credit.exited().await;
+    assert!(status.success(), "{status}:\n{}", credit.log());
+    let log = credit.log();
+    assert!(
+        !log.contains('\u{1b}'),
+        "the log holds ANSI escape codes:\n{}",
+        log.escape_debug()
+    );
 }
