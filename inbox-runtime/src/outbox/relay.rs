@@ -5,7 +5,7 @@
 use super::Outbox;
 use super::error::RelayError;
 use super::streams::{Checks, check_stream};
-use crate::backend::InboxBackend;
+use crate::backend::{InboxBackend, RelayTurns};
 use crate::backoff::Backoff;
 use async_nats::jetstream;
 #[cfg(feature = "test-util")]
@@ -286,6 +286,23 @@ impl<DB: InboxBackend> Relay<DB> {
                 break;
             }
         }
+        self.release_lease().await;
         self.stats()
+    }
+
+    /// Where relays take turns by a lease (SQLite): ends this relay's turn now, so that another
+    /// relay need not wait for it to run out.
+    async fn release_lease(&self) {
+        if DB::RELAY_TURNS != RelayTurns::Lease {
+            return;
+        }
+        let sql = self.outbox.statements().release.clone();
+        let released = async {
+            let mut conn = self.outbox.pool().acquire().await?;
+            DB::take_relay_lease(&mut *conn, sql, &self.owner, 0.0).await
+        };
+        if let Err(e) = released.await {
+            tracing::debug!(error = %e, "ending the relay's lease failed; it runs out by itself");
+        }
     }
 }

@@ -27,6 +27,8 @@ pub(crate) struct OutboxStatements {
     pub(crate) cleanup: SqlStr,
     /// SQLite: binds owner, lease seconds: takes or renews the relays' lease.
     pub(crate) lease: SqlStr,
+    /// SQLite: binds owner, seconds (0): ends the owner's lease now, for a relay that stops.
+    pub(crate) release: SqlStr,
     /// The table, for statements written per batch.
     pub(crate) table: TableName,
 }
@@ -82,6 +84,11 @@ impl OutboxStatements {
                 p(1),
                 DB::secs_from_now_sql(&p(2)),
                 DB::NOW_SQL
+            )),
+            release: sql(format!(
+                "UPDATE {table}_relay SET lease_until = {} WHERE owner = {}",
+                DB::secs_from_now_sql(&p(2)),
+                p(1)
             )),
             table: table.clone(),
         }

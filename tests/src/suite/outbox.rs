@@ -18,7 +18,8 @@
 //!   `max_payload`; a subject no stream takes, more of them than a pass takes) neither panic the
 //!   relay nor stall the other keys: the refused ones are kept as failed, holding back their
 //!   key, and `enqueue` refuses such messages up front;
-//! - a relay that panics is started again by the App, whose workers go on.
+//! - a relay that panics is started again by the App, whose workers go on;
+//! - a relay that stops ends its turn (SQLite's lease): the next one takes over at once.
 
 use super::setup;
 use crate::backends::TestBackend;
@@ -691,6 +692,50 @@ async fn a_relay_that_panics_is_started_again_and_the_workers_go_on<B: TestBacke
     assert_eq!(B::count(&db, pending).await, 0);
 }
 
+/// The test. Where relays take turns by a lease (SQLite), a relay that stops ends its turn:
+/// the next relay takes over at once rather than when the lease (here two minutes, longer than
+/// the test's deadline) runs out. Elsewhere it checks that a second relay takes over.
+async fn a_relay_that_stops_lets_the_next_one_take_over_at_once<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let first = Relay::new(outbox.clone())
+        .lease(Duration::from_secs(120))
+        .poll_interval(Duration::from_millis(100));
+    let (stop, relaying) = run(first, &nats.js);
+    commit(
+        &outbox,
+        [OutboxMessage::new(&*events.subject, b"1".to_vec())],
+    )
+    .await;
+    wait_until("the first relay's row", DEADLINE, || async {
+        events.count().await == 1
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    relaying.await.unwrap();
+    let next = Relay::new(outbox.clone())
+        .lease(Duration::from_secs(120))
+        .poll_interval(Duration::from_millis(100));
+    let (stop, relaying) = run(next, &nats.js);
+    commit(
+        &outbox,
+        [OutboxMessage::new(&*events.subject, b"2".to_vec())],
+    )
+    .await;
+    wait_until(
+        "the next relay's row, before the lease runs out",
+        DEADLINE,
+        || async { events.count().await == 2 },
+    )
+    .await
+    .unwrap();
+    stop.cancel();
+    assert_eq!(relaying.await.unwrap().published, 1);
+}
+
 /// Whether nats-server `version` ("2.12.0", "v2.15.1-beta") is at least `(major, minor)`.
 fn at_least(version: &str, wanted: (u64, u64)) -> bool {
     let mut parts = version
@@ -713,4 +758,5 @@ super::behaviours!(
     cleanup_deletes_sent_rows_after_the_retention,
     refused_rows_neither_panic_the_relay_nor_stall_other_keys,
     a_relay_that_panics_is_started_again_and_the_workers_go_on,
+    a_relay_that_stops_lets_the_next_one_take_over_at_once,
 );
