@@ -11,10 +11,12 @@ use crate::error::{ProcessError, chain};
 use crate::store::Inbox;
 use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
+use async_nats::jetstream::context::{PublishError, PublishErrorKind};
+use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::{self, message::Message, stream};
 use bytes::Bytes;
 use sqlx::error::ErrorKind;
-use tokio::sync::OnceCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The default dead-letter stream.
 pub const DEFAULT_DLQ_STREAM: &str = "INBOX_DLQ";
@@ -37,7 +39,9 @@ pub(crate) struct DeadLetters {
     source: String,
     prefix: String,
     subject: String,
-    ready: OnceCell<()>,
+    /// Whether the stream is known to exist: set once it is created or found, cleared when a
+    /// letter finds it gone (deleted by an operator), so that the next letter creates it again.
+    ready: AtomicBool,
 }
 
 /// What is known of a rejected delivery.
@@ -59,7 +63,7 @@ impl DeadLetters {
             source,
             prefix,
             subject,
-            ready: OnceCell::new(),
+            ready: AtomicBool::new(false),
         }
     }
 
@@ -82,37 +86,64 @@ impl DeadLetters {
         headers: HeaderMap,
         payload: Bytes,
     ) -> Result<(), async_nats::Error> {
-        self.ready
-            .get_or_try_init(|| async {
-                let replicas = js
-                    .get_stream(&self.source)
-                    .await?
-                    .cached_info()
-                    .config
-                    .num_replicas
-                    .max(1);
-                js.get_or_create_stream(stream::Config {
-                    name: self.stream.clone(),
-                    subjects: vec![format!("{}.>", self.prefix)],
-                    num_replicas: replicas,
-                    ..Default::default()
-                })
-                .await?;
-                Ok::<_, async_nats::Error>(())
-            })
-            .await?;
+        self.ensure_stream(js).await?;
         let max = js.client().max_payload();
         let (headers, payload) = fit(headers, payload, max);
-        let ack = js
-            .publish_with_headers(self.subject.clone(), headers, payload)
-            .await?
-            .await?;
+        let stored = self.store(js, headers.clone(), payload.clone()).await;
+        let ack = match stored {
+            Err(e) if e.kind() == PublishErrorKind::StreamNotFound => {
+                // Deleted since it was made ready: made again, and the letter stored there.
+                tracing::warn!(stream = %self.stream, "the dead-letter stream is gone; creating it again");
+                self.ready.store(false, Ordering::Relaxed);
+                self.ensure_stream(js).await?;
+                self.store(js, headers, payload).await?
+            }
+            other => other?,
+        };
         if ack.duplicate {
             // Our own letter for this very delivery, stored by an earlier attempt whose term was
             // lost: the letter id names consumer, stream and sequence, so nothing else matches.
             tracing::debug!(seq = ack.sequence, "dead letter was already stored");
         }
         Ok(())
+    }
+}
+
+impl DeadLetters {
+    /// Creates the dead-letter stream unless it is known to exist (with the replica count of the
+    /// consumer's stream).
+    async fn ensure_stream(&self, js: &jetstream::Context) -> Result<(), async_nats::Error> {
+        if self.ready.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let replicas = js
+            .get_stream(&self.source)
+            .await?
+            .cached_info()
+            .config
+            .num_replicas
+            .max(1);
+        js.get_or_create_stream(stream::Config {
+            name: self.stream.clone(),
+            subjects: vec![format!("{}.>", self.prefix)],
+            num_replicas: replicas,
+            ..Default::default()
+        })
+        .await?;
+        self.ready.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Publishes a letter and waits for its PubAck.
+    async fn store(
+        &self,
+        js: &jetstream::Context,
+        headers: HeaderMap,
+        payload: Bytes,
+    ) -> Result<PublishAck, PublishError> {
+        js.publish_with_headers(self.subject.clone(), headers, payload)
+            .await?
+            .await
     }
 }
 

@@ -225,7 +225,50 @@ async fn repro_dead_letter_error_shows_row_values<B: TestBackend>() {
     assert!(error.contains("unique violation"), "{error}");
 }
 
+/// The dead-letter stream deleted while the worker runs (an operator cleaning up) is created
+/// again for the next letter: before, the worker remembered it as ready, every later letter
+/// failed with "no stream", its message burned its deliveries and its letter stayed parked
+/// until a restart.
+async fn deleted_dead_letter_stream_is_created_again<B: TestBackend>() {
+    let (_db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .nak_delay(Duration::from_millis(10), Duration::from_millis(10))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.publish_all([b"{ first, not json".to_vec()]).await;
+    wait_until("the first letter", Duration::from_secs(60), async || {
+        worker.stats().terminated == 1
+    })
+    .await
+    .unwrap();
+    nats.js
+        .delete_stream(&nats.dlq_stream)
+        .await
+        .expect("delete the dead-letter stream");
+    nats.publish_all([b"{ second, not json".to_vec()]).await;
+    wait_until(
+        "the second letter, in a new stream",
+        Duration::from_secs(60),
+        async || nats.dead_letters().await.len() == 1,
+    )
+    .await
+    .unwrap();
+    let stats = run.stop().await;
+    assert_eq!(stats.terminated, 2, "{stats:?}");
+    assert_eq!(
+        stats.nacked, 0,
+        "the second letter was refused at first: {stats:?}"
+    );
+    let letters = nats.dead_letters().await;
+    assert_eq!(letters[0].0, b"{ second, not json");
+}
+
 super::behaviours!(
+    deleted_dead_letter_stream_is_created_again,
     repro_dead_letter_error_shows_row_values,
     repro_unstorable_letter_on_the_last_delivery_is_lost,
     repro_letter_too_large_for_the_server_is_lost,
