@@ -74,7 +74,7 @@ pub(super) fn create_stream_unavailable(e: &CreateStreamError) -> bool {
     }
 }
 
-/// Checks `relay`'s streams.
+/// Checks `relay`'s database and streams.
 pub(super) async fn check_relay<DB: InboxBackend>(
     js: &jetstream::Context,
     relay: &Relay<DB>,
@@ -87,6 +87,10 @@ pub(super) async fn check_relay<DB: InboxBackend>(
                 what,
                 source,
             } => Failed::Wait(format!("{what}: {source}")),
+            // Reading the database's version: it may be starting.
+            RelayError::Database(e) => {
+                Failed::Wait(format!("relay: asking the database its version: {e}"))
+            }
             source => Failed::Stop(AppError::Relay { source }),
         })
     })

@@ -215,6 +215,17 @@ pub trait Backend: sqlx::Database + Generic {
     /// SELECT of pending rows ends with ([`RelayTurns::fetch_suffix`]).
     const RELAY_TURNS: RelayTurns = RelayTurns::SkipLocked;
 
+    /// The statement that reads the server's version, where [`Backend::relay_unsupported`]
+    /// needs it.
+    const VERSION_SQL: Option<&'static str> = None;
+
+    /// Why a relay cannot run on a server of `version` (what [`Backend::VERSION_SQL`]
+    /// answered), if it cannot: a server without `FOR UPDATE SKIP LOCKED`, where every pass
+    /// would fail with a syntax error.
+    fn relay_unsupported(_version: &str) -> Option<String> {
+        None
+    }
+
     /// The outbox: deletes at most `?2` rows of `table` sent more than `?1` seconds (a float)
     /// ago, oldest first.
     fn outbox_cleanup_sql(table: &TableName) -> SqlStr;

@@ -106,6 +106,12 @@ pub trait Generic: sqlx::Database {
         row: NewOutboxRow<'a>,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
+    /// Runs `sql`, which answers one text (the server's version).
+    fn fetch_text<'a>(
+        pool: &'a Pool<Self>,
+        sql: &'static str,
+    ) -> impl Future<Output = Result<String, sqlx::Error>> + Send + 'a;
+
     /// The outbox: runs `sql` binding each of `subjects`, then `n`, and returns its rows.
     fn outbox_rows<'a>(
         conn: &'a mut Self::Connection,
@@ -167,6 +173,7 @@ where
     DB::Connection: sqlx::migrate::Migrate,
     for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
+    for<'q> String: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
     for<'q> f64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     for<'q> &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
     for<'r> ParkedRow: sqlx::FromRow<'r, DB::Row>,
@@ -313,6 +320,11 @@ where
             .bind(row.headers)
             .bind(row.payload);
         query.execute(conn).await
+    }
+
+    async fn fetch_text(pool: &Pool<DB>, sql: &'static str) -> Result<String, sqlx::Error> {
+        let (text,): (String,) = sqlx::query_as(sql).fetch_one(pool).await?;
+        Ok(text)
     }
 
     async fn outbox_rows<'a>(

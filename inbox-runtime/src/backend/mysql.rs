@@ -22,6 +22,29 @@ impl Backend for MySql {
     // VARBINARY: valid UTF-8 (keys are strings), converted for decoding as one.
     const KEY_TEXT: &'static str = "CONVERT(message_key USING utf8mb4)";
 
+    const VERSION_SQL: Option<&'static str> = Some("SELECT VERSION()");
+
+    fn relay_unsupported(version: &str) -> Option<String> {
+        // SKIP LOCKED came with MariaDB 10.6 and MySQL 8.0.1. MariaDB may say "5.5.5-" first
+        // (a prefix for old replication clients).
+        let number = version.strip_prefix("5.5.5-").unwrap_or(version);
+        let mut parts = number.split(|c: char| !c.is_ascii_digit());
+        let mut next = || parts.next().and_then(|p| p.parse::<u32>().ok());
+        let found = (next()?, next().unwrap_or(0), next().unwrap_or(0));
+        let (name, needed) = if version.to_ascii_lowercase().contains("mariadb") {
+            ("MariaDB", (10, 6, 0))
+        } else {
+            ("MySQL", (8, 0, 1))
+        };
+        (found < needed).then(|| {
+            format!(
+                "the outbox relay locks rows FOR UPDATE SKIP LOCKED, which {name} has from \
+                 {}.{}.{} on; this server is {version}",
+                needed.0, needed.1, needed.2
+            )
+        })
+    }
+
     fn secs_from_now_sql(param: &str) -> String {
         format!("CURRENT_TIMESTAMP(6) + INTERVAL CAST({param} * 1000000 AS SIGNED) MICROSECOND")
     }
@@ -230,5 +253,36 @@ impl Backend for MySql {
             .execute(conn)
             .await
             .map(|_| ())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn servers_without_skip_locked_are_named() {
+        for old in [
+            "10.5.23-MariaDB-0+deb11u1",
+            "5.5.5-10.3.39-MariaDB",
+            "5.7.44",
+            "8.0.0-dmr",
+        ] {
+            let why = MySql::relay_unsupported(old);
+            assert!(
+                why.as_deref().is_some_and(|w| w.contains(old)),
+                "{old}: {why:?}"
+            );
+        }
+        for new in [
+            "10.11.19-MariaDB-0+deb12u1",
+            "10.6.0-MariaDB",
+            "5.5.5-10.11.2-MariaDB",
+            "8.0.36",
+            "9.1.0",
+            "11.4.2-MariaDB",
+        ] {
+            assert_eq!(MySql::relay_unsupported(new), None, "{new}");
+        }
     }
 }

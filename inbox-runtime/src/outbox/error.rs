@@ -41,6 +41,9 @@ pub enum RelayError {
         /// The subject.
         subject: String,
     },
+    /// The database cannot run a relay (a MySQL or MariaDB without `FOR UPDATE SKIP LOCKED`).
+    #[error("{0}")]
+    Unsupported(String),
     /// JetStream failed to answer.
     #[error("{what}: {source}")]
     Nats {

@@ -199,6 +199,18 @@ impl<DB: InboxBackend> Relay<DB> {
         self
     }
 
+    /// Refuses a database the relay cannot run on (a MySQL or MariaDB without
+    /// `FOR UPDATE SKIP LOCKED`), naming its version.
+    async fn check_database(&self) -> Result<(), RelayError> {
+        if let Some(sql) = DB::VERSION_SQL {
+            let version = DB::fetch_text(self.outbox.pool(), sql).await?;
+            if let Some(why) = DB::relay_unsupported(&version) {
+                return Err(RelayError::Unsupported(why));
+            }
+        }
+        Ok(())
+    }
+
     /// Tells the outbox the server's `max_payload`, so that it refuses larger messages when they
     /// are written rather than when they are relayed.
     fn learn_max_payload(&self, js: &jetstream::Context) {
@@ -214,10 +226,13 @@ impl<DB: InboxBackend> Relay<DB> {
         }
     }
 
-    /// Checks every stream named with [`Relay::stream`]: it exists, stores a message before its
-    /// PubAck (no `persist_mode: async`), and has a duplicate window shorter than the retention.
+    /// Checks the database (a MySQL or MariaDB without `FOR UPDATE SKIP LOCKED` is refused,
+    /// naming its version) and every stream named with [`Relay::stream`]: it exists, stores a
+    /// message before its PubAck (no `persist_mode: async`), and has a duplicate window shorter
+    /// than the retention.
     pub async fn check(&self, js: &jetstream::Context) -> Result<(), RelayError> {
         self.learn_max_payload(js);
+        self.check_database().await?;
         for stream in &self.streams {
             check_stream(js, stream, self.retention).await?;
         }
@@ -235,6 +250,10 @@ impl<DB: InboxBackend> Relay<DB> {
         crate::metrics::describe_outbox();
         let table = self.outbox.table().to_string();
         self.learn_max_payload(js);
+        if let Err(e @ RelayError::Unsupported(_)) = self.check_database().await {
+            // Every pass will fail: said once, loudly (App::run refuses to start instead).
+            tracing::error!(outbox = %table, error = %e, "the outbox relay cannot run on this database");
+        }
         let mut checks = Checks::default();
         let mut poll = tokio::time::interval(self.poll);
         poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
