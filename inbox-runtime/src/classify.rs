@@ -95,7 +95,7 @@ pub(crate) fn is_outage<DB: InboxBackend>(err: &ProcessError) -> bool {
                     return is_connection_error::<DB>(sqlx_err);
                 }
                 if let Some(db) = database_error::<DB>(e) {
-                    return DB::is_connection_error(db);
+                    return DB::is_connection_error(db) || DB::is_read_only_error(db);
                 }
             }
             false
@@ -110,9 +110,26 @@ fn is_connection_error<DB: InboxBackend>(err: &sqlx::Error) -> bool {
         | sqlx::Error::Tls(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::WorkerCrashed => true,
-        sqlx::Error::Database(e) => DB::is_connection_error(e.as_ref()),
+        sqlx::Error::Database(e) => {
+            DB::is_connection_error(e.as_ref()) || DB::is_read_only_error(e.as_ref())
+        }
         _ => false,
     }
+}
+
+/// Whether `err` says the database takes no writes now (a standby during a failover): the
+/// connection it came on should leave the pool, since a new one may reach the new primary.
+pub(crate) fn is_read_only<DB: InboxBackend>(err: &ProcessError) -> bool {
+    let db = match err {
+        ProcessError::Database { source, .. } => source.as_database_error(),
+        ProcessError::Handler(e) => chain(e.as_ref()).find_map(|e| {
+            e.downcast_ref::<sqlx::Error>()
+                .and_then(|e| e.as_database_error())
+                .or_else(|| database_error::<DB>(e))
+        }),
+        _ => None,
+    };
+    db.is_some_and(|db| DB::is_read_only_error(db))
 }
 
 fn classify_handler_error<DB: InboxBackend>(

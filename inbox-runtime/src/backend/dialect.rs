@@ -97,6 +97,10 @@ pub trait Backend: sqlx::Database + Generic {
     /// `classify::is_outage`.
     fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool;
 
+    /// Whether a database error says the server takes no writes now (a standby during a
+    /// failover, a server set read-only): every message would meet it, so it is an outage.
+    fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+
     /// Whether a database error is transient (serialization failure, deadlock, lock timeout,
     /// busy, connection killed): the same message may succeed in a fresh transaction.
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool;

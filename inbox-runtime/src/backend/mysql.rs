@@ -169,6 +169,13 @@ impl Backend for MySql {
             .is_some_and(|e| matches!(e.number(), 1053 | 1927 | 2006 | 2013 | 4031))
     }
 
+    fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 1290 running with --read-only (or --super-read-only), 1792 a read-only transaction,
+        // 1836 running in read-only mode.
+        err.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|e| matches!(e.number(), 1290 | 1792 | 1836))
+    }
+
     async fn claim<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
         sql: SqlStr,

@@ -134,6 +134,11 @@ impl Backend for Postgres {
             .is_some_and(|c| matches!(&*c, "57P01" | "57P02" | "57P03") || c.starts_with("08"))
     }
 
+    fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 25006 read_only_sql_transaction: a hot standby, or default_transaction_read_only.
+        err.code().is_some_and(|c| c == "25006")
+    }
+
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // 40001 serialization failure, 40P01 deadlock, 55P03 lock not available, 57P01-03 the
         // server is shutting down or the backend was terminated, 53300 too many connections, and

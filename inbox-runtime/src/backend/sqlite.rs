@@ -173,6 +173,14 @@ impl Backend for Sqlite {
         false
     }
 
+    fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // SQLITE_READONLY (8) and its extended codes: a file or directory not writable, a
+        // connection with `PRAGMA query_only`.
+        err.code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|code| code & 0xff == 8)
+    }
+
     fn is_transient_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // The extended result code; its low byte is the primary code: SQLITE_BUSY (5, with
         // BUSY_RECOVERY 261, BUSY_SNAPSHOT 517, BUSY_TIMEOUT 773) and SQLITE_LOCKED (6, with

@@ -33,6 +33,8 @@ pub(crate) struct InboxStatements {
     pub unpark: SqlStr,
     /// The statements of two-phase claims: see `store/two_phase.rs`.
     pub claims: ClaimStatements,
+    /// A write that changes nothing: whether the database takes writes (a standby does not).
+    pub writable: SqlStr,
 }
 
 /// The statements of two-phase claims (`store/two_phase.rs`). A claim is open while `processed_at` is NULL
@@ -161,6 +163,7 @@ impl InboxStatements {
                 "DELETE FROM {table}_dead_letters WHERE id = {}",
                 DB::param(1)
             )),
+            writable: sql(format!("DELETE FROM {table} WHERE 1 = 0")),
             claim: DB::claim_sql(table, layout),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(

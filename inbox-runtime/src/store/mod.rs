@@ -154,15 +154,15 @@ impl<DB: InboxBackend> Inbox<DB> {
         migrate::migrate_racing(&self.pool, &self.table, &migrator, self.migration_wait).await
     }
 
-    /// Whether the database can be reached: a connection of its own (not one from the pool,
-    /// which busy handlers may all hold), opened, pinged and closed within 5 s. For health
-    /// probes.
+    /// Whether the database can be reached and takes writes: a connection of its own (not one
+    /// from the pool, which busy handlers may all hold), opened, given a write that changes
+    /// nothing (a standby refuses it) and closed within 5 s. For health probes.
     pub(crate) async fn reachable(&self) -> bool {
         use sqlx::{ConnectOptions, Connection};
         let options = self.pool.connect_options();
         let ping = async {
             let mut conn = options.connect().await?;
-            conn.ping().await?;
+            DB::execute_raw(&mut conn, self.sql.writable.clone()).await?;
             conn.close().await
         };
         matches!(
@@ -171,12 +171,20 @@ impl<DB: InboxBackend> Inbox<DB> {
         )
     }
 
-    /// Whether the database answers: a connection from the pool, pinged, within 5 s.
+    /// Whether the database answers and takes writes: a connection from the pool, given a write
+    /// that changes nothing, within 5 s. A connection that answers "read-only" (to a standby,
+    /// say, after a failover) is closed rather than returned to the pool: a new one may reach the
+    /// new primary.
     pub(crate) async fn answers(&self) -> bool {
-        use sqlx::Connection;
         let ping = async {
             let mut conn = self.pool.acquire().await?;
-            conn.ping().await
+            let written = DB::execute_raw(&mut conn, self.sql.writable.clone()).await;
+            if let Err(sqlx::Error::Database(e)) = &written
+                && DB::is_read_only_error(e.as_ref())
+            {
+                conn.close_on_drop();
+            }
+            written.map(|_| ())
         };
         matches!(
             tokio::time::timeout(Duration::from_secs(5), ping).await,

@@ -4,10 +4,11 @@
 
 use super::Inbox;
 use crate::backend::{Claimed, InboxBackend};
+use crate::classify::is_read_only;
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome, message_key};
-use sqlx::Transaction;
+use sqlx::{Connection, Transaction};
 use tracing::Instrument;
 
 impl<DB: InboxBackend> Inbox<DB> {
@@ -63,29 +64,44 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .process_claimed(handler, state, message, delivery, key)
                 .await;
         }
-        let mut tx = DB::begin(&self.pool, self.sql.begin.clone())
-            .await
-            .map_err(|source| ProcessError::Database {
-                stage: Stage::Begin,
-                source,
-            })?;
-        let processed = self
-            .process_in(&mut tx, handler, state, message, delivery, key)
-            .await;
-        match processed {
-            Ok(Outcome::Ack) => match tx.commit().await {
-                Ok(()) => Ok(Outcome::Ack),
-                Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
-            },
-            other => {
-                // A duplicate wrote nothing and a failure must leave nothing: roll back now
-                // rather than on drop, so that the connection returns to the pool clean.
-                if let Err(e) = tx.rollback().await {
-                    tracing::debug!(error = %e, "rollback failed; the connection is discarded");
+        let begin = |source| ProcessError::Database {
+            stage: Stage::Begin,
+            source,
+        };
+        // The connection is held apart from its transaction: one that answers "read-only" (to
+        // a standby, after a failover) leaves the pool, since a new one may reach the primary.
+        let mut conn = self.pool.acquire().await.map_err(begin)?;
+        let done = async {
+            let mut tx = conn
+                .begin_with(self.sql.begin.clone())
+                .await
+                .map_err(begin)?;
+            let processed = self
+                .process_in(&mut tx, handler, state, message, delivery, key)
+                .await;
+            match processed {
+                Ok(Outcome::Ack) => match tx.commit().await {
+                    Ok(()) => Ok(Outcome::Ack),
+                    Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
+                },
+                other => {
+                    // A duplicate wrote nothing and a failure must leave nothing: roll back
+                    // now rather than on drop, so that the connection returns to the pool
+                    // clean.
+                    if let Err(e) = tx.rollback().await {
+                        tracing::debug!(error = %e, "rollback failed; the connection is discarded");
+                    }
+                    other
                 }
-                other
             }
         }
+        .await;
+        if let Err(e) = &done
+            && is_read_only::<DB>(e)
+        {
+            conn.close_on_drop();
+        }
+        done
     }
 
     /// COMMIT failed with `source`, and its outcome is unknown: the connection may have been

@@ -17,6 +17,8 @@ use sqlx::pool::{PoolConnection, PoolOptions};
 use sqlx::{Connection, Pool};
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 /// A fresh database of one backend with a pool on it, removed when dropped (also when the test
@@ -59,6 +61,18 @@ pub trait TestBackend: Send + Sync + 'static {
     /// Whether the database admits one writer at a time (SQLite), which serialises what the
     /// others must lock for.
     const SINGLE_WRITER: bool = false;
+
+    /// The statement that makes a session take no writes, as a standby's does.
+    const READ_ONLY_SESSION: &'static str;
+
+    /// A pool of `max` connections on `db` whose new connections take no writes while
+    /// `read_only` is set (a standby answering before its promotion), made with
+    /// [`TestBackend::READ_ONLY_SESSION`].
+    fn standby_pool(
+        db: &TestDb<Self::Db>,
+        max: u32,
+        read_only: Arc<AtomicBool>,
+    ) -> impl Future<Output = Pool<Self::Db>> + Send;
 
     /// The business tables (`ledger`, `accounts`, `payments`) in this dialect.
     const TABLES: [&'static str; 3];
@@ -177,6 +191,34 @@ async fn pool<DB: sqlx::Database>(
     PoolOptions::<DB>::new()
         .max_connections(max)
         .test_before_acquire(false)
+        .connect_with(options)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to the test database {url}: {e}"))
+}
+
+/// [`pool`], each new connection made read-only (with `read_only_sql`) while `read_only` is set.
+async fn switchable_pool<DB: sqlx::Database>(
+    url: &str,
+    options: <DB::Connection as Connection>::Options,
+    max: u32,
+    read_only: Arc<AtomicBool>,
+    read_only_sql: &'static str,
+) -> Pool<DB>
+where
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+{
+    PoolOptions::<DB>::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .after_connect(move |conn, _| {
+            let read_only = read_only.load(Ordering::SeqCst);
+            Box::pin(async move {
+                if read_only {
+                    sqlx::raw_sql(read_only_sql).execute(&mut *conn).await?;
+                }
+                Ok(())
+            })
+        })
         .connect_with(options)
         .await
         .unwrap_or_else(|e| panic!("cannot connect to the test database {url}: {e}"))

@@ -29,6 +29,17 @@ impl TestBackend for MySql {
     type Remote = handlers::remote;
     type Announce = handlers::announce;
     const BACKEND: Backend = Backend::MySql;
+    const READ_ONLY_SESSION: &'static str = "SET SESSION TRANSACTION READ ONLY";
+
+    async fn standby_pool(
+        db: &super::TestDb<Self::Db>,
+        max: u32,
+        read_only: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> sqlx::Pool<Self::Db> {
+        let options = db.url.parse().expect("a MySQL URL");
+        super::switchable_pool(&db.url, options, max, read_only, Self::READ_ONLY_SESSION).await
+    }
+
     const TABLES: [&'static str; 3] = [
         "CREATE TABLE ledger (id BIGINT AUTO_INCREMENT PRIMARY KEY, msg_key VARCHAR(255) NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",
         "CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL, CHECK (balance >= 0))",

@@ -41,6 +41,17 @@ macro_rules! postgres_backend {
     type Remote = handlers::remote;
     type Announce = handlers::announce;
     const BACKEND: Backend = Backend::Postgres;
+    const READ_ONLY_SESSION: &'static str = "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY";
+
+    async fn standby_pool(
+        db: &super::TestDb<Self::Db>,
+        max: u32,
+        read_only: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> sqlx::Pool<Self::Db> {
+        let options = db.url.parse().expect("a PostgreSQL URL");
+        super::switchable_pool(&db.url, options, max, read_only, Self::READ_ONLY_SESSION).await
+    }
+
     const TABLES: [&'static str; 3] = [
         "CREATE TABLE ledger (id BIGSERIAL PRIMARY KEY, msg_key TEXT NOT NULL, account BIGINT NOT NULL, amount BIGINT NOT NULL)",
         "CREATE TABLE accounts (id BIGINT PRIMARY KEY, balance BIGINT NOT NULL CHECK (balance >= 0))",

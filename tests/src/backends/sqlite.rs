@@ -30,6 +30,17 @@ impl TestBackend for Sqlite {
     type Announce = handlers::announce;
     const BACKEND: Backend = Backend::Sqlite;
     const SINGLE_WRITER: bool = true;
+    const READ_ONLY_SESSION: &'static str = "PRAGMA query_only = ON";
+
+    async fn standby_pool(
+        db: &super::TestDb<Self::Db>,
+        max: u32,
+        read_only: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> sqlx::Pool<Self::Db> {
+        let options = inbox_runtime::sqlite_options(&db.url).expect("a SQLite URL");
+        super::switchable_pool(&db.url, options, max, read_only, Self::READ_ONLY_SESSION).await
+    }
+
     const TABLES: [&'static str; 3] = [
         "CREATE TABLE ledger (id INTEGER PRIMARY KEY AUTOINCREMENT, msg_key TEXT NOT NULL, account INTEGER NOT NULL, amount INTEGER NOT NULL)",
         "CREATE TABLE accounts (id INTEGER PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0))",

@@ -1,0 +1,73 @@
+//! A failover: for a while the database answers, but takes no writes (a standby before its
+//! promotion: PostgreSQL 25006, MySQL 1792/1290, SQLite READONLY). Every message meets the same
+//! refusal, so it is an outage, not the messages' fault: the worker waits (spending no
+//! delivery) until the database takes writes again, and the connections that answered
+//! "read-only" leave the pool rather than refusing every later try. Before, the refusal was a
+//! message's failure: healthy messages ran out of deliveries and were dead-lettered.
+//!
+//! The standby is simulated per connection: the pool's new connections are read-only sessions
+//! while a flag is set (the shared servers are never made read-only).
+
+use inbox_testkit::wait_until;
+use inbox_tests::backends::TestBackend;
+use inbox_tests::handlers::{Entry, Probe};
+use inbox_tests::{MAX_DELIVER, NatsStream, Running};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+const MESSAGES: i64 = 10;
+
+async fn read_only_period_dead_letters_nothing<B: TestBackend>() {
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    // A short ack_wait: without progress acks, held messages would be redelivered at once.
+    let ack_wait = Duration::from_secs(2);
+    let consumer = nats.consumer("c", ack_wait).await;
+    let read_only = Arc::new(AtomicBool::new(true));
+    let standby = B::standby_pool(&db, 4, read_only.clone()).await;
+    // Naks that come back at once: MAX_DELIVER deliveries take a second or two.
+    let worker = nats
+        .worker(B::inbox(standby), consumer)
+        .nak_delay(Duration::from_millis(50), Duration::from_millis(100))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.publish_all((0..MESSAGES).map(|i| Entry::new(format!("m-{i}"), i, 1).json()))
+        .await;
+    // Read-only far longer than MAX_DELIVER quick naks, or ack_wait, would take.
+    let period = ack_wait * (MAX_DELIVER as u32 + 2);
+    let mut poll = inbox_testkit::Poll::new("the read-only period to last", period);
+    while poll.elapsed() < period {
+        let stats = worker.stats();
+        assert_eq!(
+            (stats.terminated, stats.acked),
+            (0, 0),
+            "a message ended while the database took no writes: {stats:?}"
+        );
+        let _ = poll.tick().await;
+    }
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 0);
+    // Promoted: new connections take writes; those that said read-only must be gone.
+    read_only.store(false, Ordering::SeqCst);
+    wait_until(
+        "every message applied",
+        Duration::from_secs(60),
+        async || worker.stats().acked == MESSAGES as u64,
+    )
+    .await
+    .unwrap();
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert!(
+        nats.dead_letters().await.is_empty(),
+        "healthy messages dead-lettered: {stats:?}"
+    );
+    assert_eq!(stats.terminated, 0, "{stats:?}");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, MESSAGES);
+    let distinct = "SELECT count(DISTINCT msg_key) FROM ledger";
+    assert_eq!(B::count(&db, distinct).await, MESSAGES);
+}
+
+inbox_tests::on_all_backends!(read_only_period_dead_letters_nothing);
