@@ -21,6 +21,8 @@ pub struct TcpProxy {
     upstream: Arc<Mutex<String>>,
     /// Bumped by [`TcpProxy::switch_to`]: every connection forwarded before it is dropped.
     switched: tokio::sync::watch::Sender<u64>,
+    /// While set, nothing is forwarded either way; see [`TcpProxy::freeze`].
+    frozen: tokio::sync::watch::Sender<bool>,
 }
 
 impl TcpProxy {
@@ -32,6 +34,7 @@ impl TcpProxy {
             trap: Arc::default(),
             upstream: Arc::default(),
             switched: tokio::sync::watch::Sender::new(0),
+            frozen: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -43,6 +46,7 @@ impl TcpProxy {
         *self.upstream.lock().expect("the upstream lock") = upstream.to_owned();
         let (upstream, trap) = (self.upstream.clone(), self.trap.clone());
         let switched = self.switched.clone();
+        let frozen = self.frozen.clone();
         self.task = Some(tokio::spawn(async move {
             let mut links = JoinSet::new();
             while let Ok((inbound, _)) = listener.accept().await {
@@ -51,10 +55,11 @@ impl TcpProxy {
                 let mut switched = switched.subscribe();
                 let upstream = upstream.lock().expect("the upstream lock").clone();
                 let trap = trap.clone();
+                let frozen = frozen.subscribe();
                 links.spawn(async move {
                     if let Ok(outbound) = TcpStream::connect(&upstream).await {
                         tokio::select! {
-                            () = forward(inbound, outbound, trap) => {}
+                            () = forward(inbound, outbound, trap, frozen) => {}
                             _ = switched.changed() => {}
                         }
                     }
@@ -86,6 +91,18 @@ impl TcpProxy {
         self.trap.lock().expect("the trap lock").is_none()
     }
 
+    /// Freezes every link, present and future: bytes are read but not passed on either way,
+    /// and connections stay open, as behind a network partition that drops packets (a
+    /// statement hangs rather than failing) until [`TcpProxy::thaw`].
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+
+    /// Ends [`TcpProxy::freeze`]: what was held back is passed on, and forwarding goes on.
+    pub fn thaw(&self) {
+        self.frozen.send_replace(false);
+    }
+
     /// Stops listening and drops every forwarded connection.
     pub fn cut(&mut self) {
         if let Some(task) = self.task.take() {
@@ -98,7 +115,12 @@ impl TcpProxy {
 /// springs: then the statement goes to the server, and once the server has answered it (so the
 /// statement took effect) the client is dropped without the answer; the server's side is held
 /// open (its replies unread) until the proxy is cut.
-async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Vec<u8>>>>) {
+async fn forward(
+    client: TcpStream,
+    server: TcpStream,
+    trap: Arc<Mutex<Option<Vec<u8>>>>,
+    frozen: tokio::sync::watch::Receiver<bool>,
+) {
     let (mut client_rx, mut client_tx) = client.into_split();
     let (mut server_rx, mut server_tx) = server.into_split();
     let losing = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -106,6 +128,7 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
     // outlives the link.
     let mut replies = AbortOnDrop(tokio::spawn({
         let losing = losing.clone();
+        let mut frozen = frozen.clone();
         async move {
             let mut buf = vec![0u8; 64 * 1024];
             loop {
@@ -119,6 +142,9 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
                     drop(client_tx);
                     while matches!(server_rx.read(&mut buf).await, Ok(n) if n > 0) {}
                     std::future::pending::<()>().await;
+                    return;
+                }
+                if frozen.wait_for(|f| !*f).await.is_err() {
                     return;
                 }
                 if client_tx.write_all(&buf[..n]).await.is_err() {
@@ -150,6 +176,9 @@ async fn forward(client: TcpStream, server: TcpStream, trap: Arc<Mutex<Option<Ve
                 let _ = (&mut replies.0).await;
             }
             return;
+        }
+        if frozen.clone().wait_for(|f| !*f).await.is_err() {
+            break;
         }
         if server_tx.write_all(&buf[..n]).await.is_err() {
             break;

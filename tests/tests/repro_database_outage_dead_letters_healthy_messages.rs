@@ -3,8 +3,9 @@
 //! out of deliveries and were dead-lettered. Now the worker sees that the database cannot be
 //! reached at all, stops pulling, and holds what it has (with progress acks, spending no
 //! delivery) until the database answers: afterwards every message is applied once and the
-//! dead-letter stream is empty. On nats-server 2.11+ the consumer is also paused on the server
-//! during the outage and resumed after it; on older servers it never is (the fallback). SQLite is in-process: it has no outage of this kind.
+//! dead-letter stream is empty. On nats-server 2.11+, asked to (`pause_on_server`), the consumer
+//! is also paused on the server during the outage and resumed after it; on older servers it
+//! never is (the fallback). SQLite is in-process: it has no outage of this kind.
 
 use inbox_runtime::Inbox;
 use inbox_testkit::{TcpProxy, wait_until};
@@ -41,6 +42,8 @@ async fn outage_dead_letters_nothing<B: TestBackend>() {
     let worker = nats
         .worker(Inbox::new(pool), consumer)
         .nak_delay(Duration::from_millis(50), Duration::from_millis(100))
+        // One instance: it may pause the consumer for all (opt-in).
+        .pause_on_server(true)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
     let run = Running::start(&worker);

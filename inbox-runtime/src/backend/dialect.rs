@@ -97,6 +97,13 @@ pub trait Backend: sqlx::Database + Generic {
     /// `classify::is_outage`.
     fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool;
 
+    /// A write that changes nothing and waits for no lock another transaction may hold: it fails
+    /// where the database takes no writes (a standby), so that a probe tells read-only from
+    /// up. By default a DELETE of no row of `table`.
+    fn writable_probe_sql(table: &TableName) -> String {
+        format!("DELETE FROM {table} WHERE 1 = 0")
+    }
+
     /// Whether a database error says the server takes no writes now (a standby during a
     /// failover, a server set read-only): every message would meet it, so it is an outage.
     fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool;

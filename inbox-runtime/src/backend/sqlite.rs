@@ -173,6 +173,13 @@ impl Backend for Sqlite {
         false
     }
 
+    fn writable_probe_sql(table: &TableName) -> String {
+        // Any write to the database needs its one write lock, which a frozen writer may hold
+        // for as long as it is frozen; a temporary table is the connection's own, and is
+        // refused as well where the connection takes no writes (`PRAGMA query_only`).
+        format!("CREATE TEMP TABLE IF NOT EXISTS {table}_probe (x INTEGER)")
+    }
+
     fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // SQLITE_READONLY (8) and its extended codes: a file or directory not writable, a
         // connection with `PRAGMA query_only`.

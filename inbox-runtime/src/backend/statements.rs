@@ -163,7 +163,7 @@ impl InboxStatements {
                 "DELETE FROM {table}_dead_letters WHERE id = {}",
                 DB::param(1)
             )),
-            writable: sql(format!("DELETE FROM {table} WHERE 1 = 0")),
+            writable: sql(DB::writable_probe_sql(table)),
             claim: DB::claim_sql(table, layout),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(

@@ -149,9 +149,24 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// without a bound a handler that hangs, or a claim waiting behind a frozen peer, would hold
     /// its slot (and shutdown) indefinitely. Past the deadline the try is dropped, which rolls
     /// its transaction back, and the message is nak'd with a delay (dead-lettered at
-    /// `max_deliver`). Keep the inbox's [lock timeout](crate::Inbox::lock_timeout) below it.
+    /// `max_deliver`). Keep the inbox's [lock timeout](crate::Inbox::lock_timeout) below it;
+    /// it must be longer than the pool's acquire timeout (the build refuses it otherwise). A
+    /// try cut by the deadline while the database does not answer is an outage: it waits, and
+    /// spends no delivery.
     pub fn deadline(mut self, deadline: Duration) -> Self {
         self.options.deadline = deadline.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Whether to pause the durable consumer on the server (nats-server 2.11+) while this worker
+    /// finds the database unreachable, so that JetStream delivers nothing to any instance and
+    /// redelivers nothing whose `ack_wait` ran out (default: no). A pause stops every instance of
+    /// the consumer, also when only this one is cut off from the database: turn it on only
+    /// where every instance reaches the database the same way (one instance, or one network
+    /// path). Without it, the worker stops its own pulls and holds what it has (progress acks,
+    /// no delivery spent), and the other instances go on.
+    pub fn pause_on_server(mut self, pause: bool) -> Self {
+        self.options.pause_on_server = pause;
         self
     }
 
@@ -301,6 +316,13 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             options.batch = None;
         }
         let mut settings = check(&options, &info.name, &info.config, H::CONSUMER, pool_size)?;
+        let acquire_timeout = self.inbox.pool().options().get_acquire_timeout();
+        if options.deadline <= acquire_timeout {
+            return Err(WorkerError::DeadlineNotAboveAcquireTimeout {
+                deadline: options.deadline,
+                acquire_timeout,
+            });
+        }
         if H::TWO_PHASE {
             let ack_wait = ack_wait_of(&info.config);
             let lease = self.inbox.lease_duration();

@@ -45,6 +45,8 @@ pub(crate) struct Options {
     /// How often the consumer's `max_deliver` is read again besides at each pull session's
     /// start (shorter only in tests: `WorkerBuilder::max_deliver_every`).
     pub max_deliver_every: Duration,
+    /// Whether the consumer is paused on the server while the circuit is open.
+    pub pause_on_server: bool,
 }
 
 impl Default for Options {
@@ -65,6 +67,7 @@ impl Default for Options {
             sweep: (Duration::from_secs(60), None),
             backstop: None,
             max_deliver_every: REFRESH_EVERY,
+            pause_on_server: false,
         }
     }
 }
@@ -100,6 +103,8 @@ pub(crate) struct Settings {
     pub sweep: Option<Sweep>,
     /// The delivery-limit backstop's advisory stream, when it runs.
     pub backstop: Option<super::backstop::AdvisoryStream>,
+    /// Whether the consumer is paused on the server while the circuit is open.
+    pub pause_on_server: bool,
 }
 
 /// Batched commits: see [`WorkerBuilder::batch`].
@@ -204,6 +209,7 @@ pub(crate) fn check(
         cleanup,
         sweep: None,
         backstop: options.backstop.clone(),
+        pause_on_server: options.pause_on_server,
     })
 }
 

@@ -3,9 +3,15 @@
 //! redelivering would only spend deliveries until healthy messages reach `max_deliver` and are
 //! dead-lettered. So the circuit opens: the worker stops pulling, and the deliveries it holds
 //! wait for the database (with progress acks, spending no delivery), each retry being the probe.
-//! The first answer from the database closes it. On nats-server 2.11+ the consumer itself is
-//! paused on the server meanwhile ([`mirror_on_server`]).
+//! The first answer from the database closes it: a held message's try, or the probe of a task of
+//! its own ([`probe_while_open`]), so that a worker whose held messages all ended otherwise (a
+//! deadline, a panic) does not stay paused for ever. Where asked for
+//! (`WorkerBuilder::pause_on_server`) and the server can (2.11+), the consumer itself is paused
+//! on the server meanwhile ([`mirror_on_server`]).
 
+use crate::backend::InboxBackend;
+use crate::backoff::Backoff;
+use crate::store::Inbox;
 use std::time::Duration;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -62,6 +68,34 @@ impl Circuit {
     }
 }
 
+/// While the circuit is open, asks the database every so often (a write that changes nothing, on
+/// a pooled connection: [`Inbox::answers`]) and closes the circuit when it answers. Until
+/// `shutdown`.
+pub(super) async fn probe_while_open<DB: InboxBackend>(
+    circuit: &Circuit,
+    inbox: &Inbox<DB>,
+    shutdown: &CancellationToken,
+) {
+    let mut open = circuit.open.subscribe();
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            opened = open.wait_for(|open| *open) => if opened.is_err() { return },
+        }
+        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+        while *open.borrow() {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = open.wait_for(|open| !*open) => break,
+                _ = tokio::time::sleep(backoff.next()) => {}
+            }
+            if inbox.answers().await {
+                circuit.close();
+            }
+        }
+    }
+}
+
 /// How long one server-side pause lasts. It is renewed every half of it while the circuit stays
 /// open, so a worker that dies with its circuit open leaves the consumer paused this long at most.
 pub(super) const SERVER_PAUSE: Duration = Duration::from_secs(20);
@@ -79,7 +113,9 @@ pub(super) fn pauses_consumers(version: &str) -> bool {
     }
 }
 
-/// Mirrors the circuit on the server, where the server can (2.11+, see [`pauses_consumers`]):
+/// Mirrors the circuit on the server, where asked for (`WorkerBuilder::pause_on_server`: a pause
+/// stops every instance, also when only this one is cut off from the database) and the server
+/// can (2.11+, see [`pauses_consumers`]):
 /// while the database is unreachable the durable consumer is paused, so that JetStream delivers
 /// nothing to any instance and redelivers nothing whose `ack_wait` ran out (an instance that
 /// died holding messages, say), and no delivery is spent on a database that cannot answer. Acks

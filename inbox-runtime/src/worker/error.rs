@@ -80,6 +80,17 @@ pub enum WorkerError {
         /// The handler refused.
         this: &'static str,
     },
+    /// The delivery deadline is not longer than the pool's acquire timeout: a try waiting for a
+    /// connection during an outage would end as late, never as an outage.
+    #[error(
+        "the delivery deadline {deadline:?} is not longer than the pool's acquire timeout {acquire_timeout:?}: a try waiting for a connection while the database is away would be cut as late instead of waiting for it; raise WorkerBuilder::deadline or lower PoolOptions::acquire_timeout"
+    )]
+    DeadlineNotAboveAcquireTimeout {
+        /// The deadline.
+        deadline: Duration,
+        /// The pool's acquire timeout.
+        acquire_timeout: Duration,
+    },
     /// The handler's consumer name cannot be a NATS subject token (dead letters go to
     /// `<prefix>.<consumer>`).
     #[error(

@@ -216,6 +216,12 @@ impl<H: Handler> Worker<H> {
         self.inner.max_deliver.get()
     }
 
+    /// Whether this worker finds the database unreachable now (its circuit is open: it pulls
+    /// nothing, and the messages it holds wait for the database).
+    pub fn database_unreachable(&self) -> bool {
+        self.inner.circuit.is_open()
+    }
+
     /// What this worker (and its clones) did so far.
     pub fn stats(&self) -> Stats {
         let c = &self.inner.counters;
@@ -295,22 +301,34 @@ where
         );
         let (inner, stop) = (self.inner.clone(), shutdown.clone());
         keep(
-            "circuit mirror",
+            "circuit probe",
             Box::new(move || {
                 let (inner, stop) = (inner.clone(), stop.clone());
                 Box::pin(async move {
-                    let info = inner.consumer.cached_info();
-                    circuit::mirror_on_server(
-                        &inner.circuit,
-                        &inner.jetstream,
-                        &info.stream_name,
-                        &info.name,
-                        &stop,
-                    )
-                    .await
+                    circuit::probe_while_open(&inner.circuit, &inner.inbox, &stop).await
                 })
             }),
         );
+        if self.inner.settings.pause_on_server {
+            let (inner, stop) = (self.inner.clone(), shutdown.clone());
+            keep(
+                "circuit mirror",
+                Box::new(move || {
+                    let (inner, stop) = (inner.clone(), stop.clone());
+                    Box::pin(async move {
+                        let info = inner.consumer.cached_info();
+                        circuit::mirror_on_server(
+                            &inner.circuit,
+                            &inner.jetstream,
+                            &info.stream_name,
+                            &info.name,
+                            &stop,
+                        )
+                        .await
+                    })
+                }),
+            );
+        }
         if let Some(advisories) = self.inner.settings.backstop.clone() {
             backstop::ready(&self.inner, &advisories, &shutdown).await;
             let (inner, stop) = (self.inner.clone(), shutdown.clone());

@@ -299,8 +299,12 @@ where
                 }
             }
             // A lost connection in the chain may be another database's (a handler's own pool):
-            // only when the inbox's database does not answer either is it an outage.
-            if is_outage::<H::Db>(&err) && !self.inbox.answers().await {
+            // only when the inbox's database does not answer either is it an outage. A try cut
+            // by the deadline while the database does not answer (waiting for a connection, a
+            // statement on a connection that went silent) is one too, not a spent delivery.
+            let may_be_outage =
+                is_outage::<H::Db>(&err) || matches!(err, ProcessError::Deadline(_));
+            if may_be_outage && !self.inbox.answers().await {
                 // Every message would fail the same way: not this one's fault, so it spends no
                 // delivery. It waits, and its next try probes the database.
                 self.circuit.trip(&err);

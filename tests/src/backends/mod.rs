@@ -62,6 +62,14 @@ pub trait TestBackend: Send + Sync + 'static {
     /// others must lock for.
     const SINGLE_WRITER: bool = false;
 
+    /// A pool of `max` connections on `url` that waits at most `acquire` for a connection (a
+    /// worker's deadline must be longer than that).
+    fn connect_acquiring(
+        url: &str,
+        max: u32,
+        acquire: Duration,
+    ) -> impl Future<Output = Pool<Self::Db>> + Send;
+
     /// The statement that makes a session take no writes, as a standby's does.
     const READ_ONLY_SESSION: &'static str;
 
@@ -188,8 +196,19 @@ async fn pool<DB: sqlx::Database>(
     options: <DB::Connection as Connection>::Options,
     max: u32,
 ) -> Pool<DB> {
+    pool_acquiring(url, options, max, Duration::from_secs(30)).await
+}
+
+/// [`pool`], waiting at most `acquire` for a connection.
+async fn pool_acquiring<DB: sqlx::Database>(
+    url: &str,
+    options: <DB::Connection as Connection>::Options,
+    max: u32,
+    acquire: Duration,
+) -> Pool<DB> {
     PoolOptions::<DB>::new()
         .max_connections(max)
+        .acquire_timeout(acquire)
         .test_before_acquire(false)
         .connect_with(options)
         .await

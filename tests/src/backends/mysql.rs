@@ -29,6 +29,15 @@ impl TestBackend for MySql {
     type Remote = handlers::remote;
     type Announce = handlers::announce;
     const BACKEND: Backend = Backend::MySql;
+    async fn connect_acquiring(
+        url: &str,
+        max: u32,
+        acquire: std::time::Duration,
+    ) -> sqlx::Pool<Self::Db> {
+        let options = url.parse().expect("a MySQL URL");
+        super::pool_acquiring(url, options, max, acquire).await
+    }
+
     const READ_ONLY_SESSION: &'static str = "SET SESSION TRANSACTION READ ONLY";
 
     async fn standby_pool(

@@ -41,6 +41,15 @@ macro_rules! postgres_backend {
     type Remote = handlers::remote;
     type Announce = handlers::announce;
     const BACKEND: Backend = Backend::Postgres;
+    async fn connect_acquiring(
+        url: &str,
+        max: u32,
+        acquire: std::time::Duration,
+    ) -> sqlx::Pool<Self::Db> {
+        let options = url.parse().expect("a PostgreSQL URL");
+        super::pool_acquiring(url, options, max, acquire).await
+    }
+
     const READ_ONLY_SESSION: &'static str = "SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY";
 
     async fn standby_pool(

@@ -30,6 +30,15 @@ impl TestBackend for Sqlite {
     type Announce = handlers::announce;
     const BACKEND: Backend = Backend::Sqlite;
     const SINGLE_WRITER: bool = true;
+    async fn connect_acquiring(
+        url: &str,
+        max: u32,
+        acquire: std::time::Duration,
+    ) -> sqlx::Pool<Self::Db> {
+        let options = inbox_runtime::sqlite_options(url).expect("a SQLite URL");
+        super::pool_acquiring(url, options, max, acquire).await
+    }
+
     const READ_ONLY_SESSION: &'static str = "PRAGMA query_only = ON";
 
     async fn standby_pool(

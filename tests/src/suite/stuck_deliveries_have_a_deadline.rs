@@ -13,7 +13,9 @@ use std::time::Duration;
 /// sending progress acks all the while: the twin's slot, and shutdown, were held for as long as
 /// TCP keepalive let the frozen session live. Now the wait is bounded and the twin is nak'd.
 async fn repro_twin_of_a_frozen_peer_waits_forever<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
+    let (db, _) = setup::<B>(4).await;
+    // A deadline must be longer than the pool's acquire timeout.
+    let inbox = B::inbox(B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await);
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     // The frozen peer: a transaction that inserted the marker of `k` and never finishes.
@@ -49,7 +51,9 @@ async fn repro_twin_of_a_frozen_peer_waits_forever<B: TestBackend>() {
 /// A handler that never returns kept its message alive with progress acks forever. Past the
 /// deadline its transaction is rolled back and the message nak'd.
 async fn repro_hung_handler_holds_its_message_forever<B: TestBackend>() {
-    let (db, inbox) = setup::<B>(4).await;
+    let (db, _) = setup::<B>(4).await;
+    // A deadline must be longer than the pool's acquire timeout.
+    let inbox = B::inbox(B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await);
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     nats.publish_all([Entry::new("k", 1, 1).json()]).await;
