@@ -121,6 +121,15 @@ pub trait Backend: sqlx::Database + Generic {
     /// long as TCP keepalive allows).
     fn begin_sql(lock_timeout: Duration) -> SqlStr;
 
+    /// What a message's BEGIN adds so that no statement of its transaction runs longer than
+    /// `timeout` (the worker's deadline): a try dropped at its deadline must not leave its
+    /// statement running, holding its locks and its connection. `None` where the dialect has no
+    /// such bound for every statement (MySQL's `max_execution_time` bounds SELECTs only; SQLite
+    /// runs in process).
+    fn statement_timeout_sql(_timeout: Duration) -> Option<String> {
+        None
+    }
+
     /// Begins the transaction a message is processed in with `sql` ([`Backend::begin_sql`]).
     fn begin(
         pool: &Pool<Self>,

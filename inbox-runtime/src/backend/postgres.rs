@@ -120,6 +120,12 @@ impl Backend for Postgres {
         AssertSqlSafe(format!("BEGIN; SET LOCAL lock_timeout = {ms}")).into_sql_str()
     }
 
+    fn statement_timeout_sql(timeout: Duration) -> Option<String> {
+        // At most i32::MAX ms; 0 would mean no limit.
+        let ms = timeout.as_millis().clamp(1, i32::MAX as u128);
+        Some(format!("SET LOCAL statement_timeout = {ms}"))
+    }
+
     fn downcast_database_error<'e>(
         err: &'e (dyn std::error::Error + 'static),
     ) -> Option<&'e dyn sqlx::error::DatabaseError> {

@@ -140,6 +140,16 @@ impl ClaimStatements {
 pub(crate) const UNLANED_LOCK_WAIT: Duration = Duration::from_millis(200);
 
 impl InboxStatements {
+    /// Bounds every statement of a message's transaction by `timeout`, where the dialect can
+    /// ([`Backend::statement_timeout_sql`](super::Backend::statement_timeout_sql)).
+    pub(crate) fn bound_statements<DB: InboxBackend>(&mut self, timeout: Duration) {
+        if let Some(bound) = DB::statement_timeout_sql(timeout) {
+            for begin in [&mut self.begin, &mut self.begin_unlaned] {
+                *begin = sql(format!("{}; {bound}", begin.as_str()));
+            }
+        }
+    }
+
     pub(crate) fn new<DB: InboxBackend>(
         table: &TableName,
         layout: &Layout,

@@ -117,6 +117,13 @@ impl<DB: InboxBackend> Inbox<DB> {
         self
     }
 
+    /// This inbox with every statement of a message's transaction bounded by `timeout` (a
+    /// worker's deadline), where the database can (PostgreSQL's `statement_timeout`).
+    pub(crate) fn bounded_by(mut self, timeout: Duration) -> Self {
+        self.sql.bound_statements::<DB>(timeout);
+        self
+    }
+
     /// For tests (feature `test-util`, not part of the stable API): how long
     /// [`Inbox::migrate`] waits for another instance migrating the table (default 5 minutes).
     #[cfg(feature = "test-util")]

@@ -122,7 +122,9 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// 200 ms for a lock (a wait may be a deadlock's; PostgreSQL would detect it only after its
     /// `deadlock_timeout`, 1 s) and is tried again.
     ///
-    /// `max_messages` is at least 1; 1 turns batching off.
+    /// `max_messages` is at least 1; 1 turns batching off. `max_wait` is at most a third of the
+    /// consumer's `ack_wait`: a batch being collected gets no progress acks, so it must flush
+    /// before its first message's delivery could end at the server.
     pub fn batch(mut self, max_messages: usize, max_wait: Duration) -> Self {
         self.options.batch = (max_messages > 1).then_some(Batching {
             max_messages,
@@ -361,8 +363,9 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
             })?;
         let consumer = PullConsumer::new(config, info.clone(), self.jetstream.clone());
         let backstop_js = self.backstop_on.unwrap_or_else(|| self.jetstream.clone());
+        // No statement outlives the try it belongs to by more than the deadline.
         Ok(Worker::new(
-            self.inbox,
+            self.inbox.bounded_by(options.deadline),
             (self.jetstream, backstop_js),
             consumer,
             handler,

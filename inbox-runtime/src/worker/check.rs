@@ -196,7 +196,15 @@ pub(crate) fn check(
             d if d.is_zero() => options.fetch_expiry,
             d => options.fetch_expiry.min(d),
         },
-        batch: options.batch,
+        // A batch being collected gets no progress acks: it flushes, at the latest, when its
+        // first message has waited as long as a progress ack would (a third of ack_wait), so
+        // that no delivery ends at the server while it waits.
+        batch: options.batch.map(|b| Batching {
+            max_wait: b
+                .max_wait
+                .min((ack_wait / 3).max(Duration::from_millis(100))),
+            ..b
+        }),
         max_batch: match config.max_batch {
             n if n > 0 => n as usize,
             _ => usize::MAX,

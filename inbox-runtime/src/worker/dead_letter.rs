@@ -252,7 +252,12 @@ pub(crate) fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'
     for (name, values) in original.into_iter().flat_map(HeaderMap::iter) {
         let name: &str = name.as_ref();
         let control = name.len() >= 5 && name[..5].eq_ignore_ascii_case("nats-");
-        let kept = if !control {
+        // Ours, in any letter case: a producer's copy would stand next to ours for a reader that
+        // ignores case, forging the error, the consumer or the original's place.
+        let forged = name.len() >= 6 && name[..6].eq_ignore_ascii_case("inbox-");
+        let kept = if forged {
+            None
+        } else if !control {
             Some(name)
         } else if name.eq_ignore_ascii_case(NATS_MESSAGE_ID.as_ref()) {
             Some("Inbox-Original-Msg-Id")
@@ -268,7 +273,7 @@ pub(crate) fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'
     }
     headers.insert(
         "Inbox-Error",
-        one_line(letter.error, MAX_ERROR_LEN).as_str(),
+        one_line(&scrub(letter.error), MAX_ERROR_LEN).as_str(),
     );
     headers.insert("Inbox-Consumer", letter.consumer);
     headers.insert("Inbox-Stream", letter.stream);
@@ -290,6 +295,107 @@ pub(crate) fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'
     };
     headers.insert(NATS_MESSAGE_ID, id.as_str());
     headers
+}
+
+/// `text` without the secrets an error's text is known to carry: the user info of a URL
+/// (`scheme://user:password@host` becomes `scheme://***@host`), a URL's query (`?token=..`
+/// becomes `?***`), and the value of a `name=value` or `name: value` pair whose name says
+/// password, token, secret, key, auth, signature or credential. A letter travels on to whoever
+/// reads the dead-letter stream; an HTTP client's error, say, carries its whole URL.
+pub(crate) fn scrub(text: &str) -> String {
+    const SECRET_NAMES: [&str; 9] = [
+        "password",
+        "passwd",
+        "pwd",
+        "token",
+        "secret",
+        "key",
+        "auth",
+        "signature",
+        "credential",
+    ];
+    let ends_token = |c: char| c.is_whitespace() || matches!(c, '"' | '\'' | '<' | '>' | ')' | ',');
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while !rest.is_empty() {
+        // A URL: scheme, "://", then up to the next whitespace or quote.
+        if let Some(at) = rest.find("://") {
+            let scheme_start = rest[..at]
+                .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
+                .map_or(0, |i| i + 1);
+            out.push_str(&scrub_pairs(&rest[..scheme_start], &SECRET_NAMES));
+            let url_end = rest[at + 3..]
+                .find(ends_token)
+                .map_or(rest.len(), |i| at + 3 + i);
+            let url = &rest[scheme_start..url_end];
+            let (head, query) = match url.find('?') {
+                Some(q) => (&url[..q], Some(())),
+                None => (url, None),
+            };
+            let body_start = at - scheme_start + 3;
+            let authority_end = head[body_start..]
+                .find('/')
+                .map_or(head.len(), |i| body_start + i);
+            match head[body_start..authority_end].rfind('@') {
+                Some(user) => {
+                    out.push_str(&head[..body_start]);
+                    out.push_str("***");
+                    out.push_str(&head[body_start + user..]);
+                }
+                None => out.push_str(head),
+            }
+            if query.is_some() {
+                out.push_str("?***");
+            }
+            rest = &rest[url_end..];
+        } else {
+            out.push_str(&scrub_pairs(rest, &SECRET_NAMES));
+            break;
+        }
+    }
+    out
+}
+
+/// `text` with the value of each `name=value` / `name: value` pair whose name contains one of
+/// `names` (any letter case) replaced by `***`.
+fn scrub_pairs(text: &str, names: &[&str]) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(sep) = rest.find(['=', ':']) {
+        let name_start = rest[..sep]
+            .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-')))
+            .map_or(0, |i| i + 1);
+        let name = rest[name_start..sep].to_ascii_lowercase();
+        let mut value_start = sep + 1;
+        if rest[sep..].starts_with(": ") {
+            value_start += 1;
+        }
+        out.push_str(&rest[..value_start]);
+        let value_end = rest[value_start..]
+            .find(|c: char| c.is_whitespace() || matches!(c, '&' | ',' | ';' | '"' | '\''))
+            .map_or(rest.len(), |i| value_start + i);
+        let value = &rest[value_start..value_end];
+        let mut end = value_end;
+        if !name.is_empty() && names.iter().any(|n| name.contains(n)) && !value.is_empty() {
+            out.push_str("***");
+            // `Authorization: Bearer <token>`: the scheme, then the credential.
+            let scheme = ["bearer", "basic", "token", "digest"]
+                .iter()
+                .any(|s| value.eq_ignore_ascii_case(s));
+            if scheme {
+                let after = &rest[value_end..];
+                let word = after.trim_start();
+                let skipped = after.len() - word.len();
+                let word_end = word.find(char::is_whitespace).unwrap_or(word.len());
+                end = value_end + skipped + word_end;
+            }
+        } else {
+            out.push_str(value);
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// `text` on one line (a header holds one) and at most `max` bytes, cut at a character boundary
@@ -421,6 +527,57 @@ mod tests {
         assert_eq!(h.get(TRUNCATED).unwrap().as_str(), "10");
         assert_eq!(h.get(NATS_MESSAGE_ID).unwrap().as_str(), "dlq:orders:S:9");
         assert!(wire_len(&h) + p.len() <= max);
+    }
+
+    #[test]
+    fn secrets_in_an_error_do_not_reach_the_letter() {
+        let cases = [
+            (
+                "error sending request for url (https://api.example.com/v1/pay?api_key=sk_live_123&x=1): timed out",
+                "error sending request for url (https://api.example.com/v1/pay?***): timed out",
+            ),
+            (
+                "connect postgres://app:hunter2@db.internal:5432/prod failed",
+                "connect postgres://***@db.internal:5432/prod failed",
+            ),
+            (
+                "upstream said 401 with Authorization: Bearer abc.def and password=p4ss; retry",
+                "upstream said 401 with Authorization: *** and password=***; retry",
+            ),
+            (
+                "balance would go below 0 for account 7",
+                "balance would go below 0 for account 7",
+            ),
+        ];
+        for (error, shown) in cases {
+            assert_eq!(scrub(error), shown, "{error}");
+        }
+        let mut l = letter();
+        l.error = "GET https://u:tok3n@h/x?sig=s3cret failed";
+        let headers = letter_headers(None, &l);
+        let error = headers.get("Inbox-Error").unwrap().as_str().to_owned();
+        assert!(
+            !error.contains("tok3n") && !error.contains("s3cret"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_producers_inbox_headers_are_not_copied() {
+        let mut original = HeaderMap::new();
+        original.insert("inbox-error", "forged");
+        original.insert("INBOX-CONSUMER", "forged");
+        original.insert("Traceparent", "00-abc-def-01");
+        let headers = letter_headers(Some(&original), &letter());
+        for (name, values) in headers.iter() {
+            for value in values {
+                assert_ne!(value.as_str(), "forged", "{name} was copied");
+            }
+        }
+        assert_eq!(
+            headers.get("Traceparent").unwrap().as_str(),
+            "00-abc-def-01"
+        );
     }
 
     #[test]

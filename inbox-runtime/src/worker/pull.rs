@@ -14,6 +14,7 @@
 //! with their `ack_wait` running.
 
 use super::Inner;
+use super::serve::with_progress;
 use super::serve_batch::Waiting;
 use super::slots::{Ready, Slots};
 use crate::backoff::Backoff;
@@ -335,8 +336,13 @@ where
         let permit = match self.free.pop() {
             Some(permit) => Some(permit),
             // More arrived than asked for (a request given up for lost came through after all):
-            // it waits for a slot like any other.
-            None if !stopping => self.permits.clone().acquire_owned().await.ok(),
+            // it waits for a slot like any other, with progress acks so that its delivery does
+            // not end at the server meanwhile.
+            None if !stopping => {
+                let every = inner.settings.progress_every;
+                let waiting = self.permits.clone().acquire_owned();
+                with_progress(&[&message], every, waiting).await.ok()
+            }
             None => None,
         };
         if let Some(slots) = self.slots.as_mut().filter(|_| !stopping) {

@@ -233,10 +233,13 @@ where
                     tracing::error!(publish_error = %published, database_error = %db, retry_in = ?wait, "dead letter neither published nor kept on the last delivery; trying again");
                     tokio::select! {
                         _ = shutdown.cancelled() => {
+                            // Where it is, not what it holds: a payload (and its headers) may carry
+                            // personal data or secrets that have no place in a log.
                             tracing::error!(
-                                ?headers,
-                                payload = %String::from_utf8_lossy(&message.payload),
-                                "shutting down with a dead letter nowhere to store: the message stays in its stream, unacknowledged, and is not redelivered"
+                                stream = letter.stream,
+                                stream_seq = letter.stream_seq,
+                                payload_bytes = message.payload.len(),
+                                "shutting down with a dead letter nowhere to store: the message stays in its stream (read it by sequence), unacknowledged, and is not redelivered"
                             );
                             return Err(());
                         }

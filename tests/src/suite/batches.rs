@@ -142,8 +142,42 @@ async fn a_crash_after_commit_before_the_acks_skips_the_redeliveries<B: TestBack
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 3);
 }
 
+/// A batch collected for longer than `ack_wait` got no progress acks: its first message was
+/// redelivered (a delivery spent, and a second copy in the worker) before the batch even ran.
+/// A batch now flushes by a third of `ack_wait` at the latest.
+async fn a_batch_waiting_for_more_spends_no_delivery<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(2)).await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .concurrency(1)
+        .batch(16, Duration::from_secs(10))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
+    wait_until(
+        "the message to be acked",
+        Duration::from_secs(30),
+        async || worker.stats().acked == 1,
+    )
+    .await
+    .unwrap();
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    let info = nats.info("c").await;
+    assert_eq!(
+        (info.num_redelivered, stats.skipped),
+        (0, 0),
+        "redelivered while its batch waited: {stats:?}"
+    );
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
+}
+
 super::behaviours!(
     partitioned_too;
+    a_batch_waiting_for_more_spends_no_delivery,
     duplicates_inside_one_batch_are_skipped,
     a_failure_mid_batch_is_handled_alone,
     a_crash_after_commit_before_the_acks_skips_the_redeliveries,

@@ -1,0 +1,64 @@
+//! A try cut at the worker's deadline while its statement waits (here, its claim behind a frozen
+//! peer's uncommitted marker, with a lock timeout longer than the deadline) left the statement
+//! running on the server: its connection and the locks it held stayed taken until the lock
+//! timeout, the pool drained, and the pool timeouts that followed tripped the circuit. Every
+//! statement of a message's transaction is now bounded by the deadline (PostgreSQL's
+//! `statement_timeout`), so the server ends it with the try.
+//!
+//! PostgreSQL only: MySQL has no bound for every statement (`max_execution_time` bounds SELECTs;
+//! a lock wait is bounded by the inbox's lock timeout), and SQLite runs in process.
+
+use inbox_testkit::wait_until;
+use inbox_tests::backends::{Postgres, TestBackend};
+use inbox_tests::handlers::{Entry, Probe};
+use inbox_tests::{NatsStream, Running};
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_ends_with_its_try() {
+    type B = Postgres;
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    // The frozen peer: a transaction that inserted the marker of `k` and never finishes.
+    let frozen = B::hold_in_transaction(
+        &db,
+        "INSERT INTO inbox (consumer, message_key) VALUES ('ledger', 'k')",
+    )
+    .await;
+    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
+    let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
+    let worker = nats
+        .worker(
+            B::inbox(pool).lock_timeout(Duration::from_secs(120)),
+            consumer,
+        )
+        .deadline(Duration::from_secs(2))
+        // No second try while the test looks.
+        .nak_delay(Duration::from_secs(120), Duration::from_secs(120))
+        .build_with_state(<B as TestBackend>::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until("the claim to wait", Duration::from_secs(20), async || {
+        B::waiting_writers(&db).await >= 1
+    })
+    .await
+    .unwrap();
+    wait_until("the try to be cut", Duration::from_secs(20), async || {
+        worker.stats().nacked >= 1
+    })
+    .await
+    .unwrap();
+    // The claim's statement ends with its try, although the peer still holds the key.
+    wait_until(
+        "the cut try's statement to end on the server",
+        Duration::from_secs(10),
+        async || B::waiting_writers(&db).await == 0,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: the statement outlived its try"));
+    frozen.rollback().await.expect("ROLLBACK");
+    let stats = run.stop().await;
+    assert_eq!(stats.acked, 0, "{stats:?}");
+}
