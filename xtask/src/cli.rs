@@ -49,7 +49,8 @@ pub enum Task {
     /// Three `credit` processes, one
     /// SIGKILLed every 2 s, one frozen (SIGSTOP) for twice ack_wait then let go, the
     /// nats-server restarted once, every database connection cut once, the dead-letter stream
-    /// rejecting letters until one is retried, and messages that fail until max_deliver; fails,
+    /// rejecting letters until one is retried and then deleted, and messages that fail until
+    /// max_deliver; fails,
     /// naming example ids, unless every request id is applied exactly once and every rejected
     /// message dead-lettered exactly once. Then an email run (three `email` processes,
     /// SIGKILLs, a sink answering some 503s and some slow calls) audited for one idempotency
@@ -139,8 +140,8 @@ pub struct ChaosArgs {
     #[arg(long, conflicts_with = "run")]
     pub cluster: bool,
     /// Instead, the database failover run (PostgreSQL): a private primary with a synchronous
-    /// standby, the primary killed mid-run, the standby promoted and `credit` pointed at it;
-    /// audited message by message.
+    /// standby, the primary killed mid-run, `credit` pointed at the standby while it still
+    /// refuses writes (10 s), then the standby promoted; audited message by message.
     #[arg(long, conflicts_with = "cluster")]
     pub failover: bool,
 }

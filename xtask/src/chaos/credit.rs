@@ -19,7 +19,8 @@
 //! the nats-server is killed and restarted once; every database connection is cut once; the
 //! dead-letter stream rejects every letter, from the start until a worker's letter has been
 //! rejected on its message's last delivery (earlier ones are nak'd and tried again; that one must
-//! be parked and relayed later); and then, up to three times, a process is SIGKILLed while it
+//! be parked and relayed later), and is then deleted, so that the processes must create it
+//! again for their next letter (parked ones included); and then, up to three times, a process is SIGKILLed while it
 //! holds a message on its last delivery. The processes hold every last delivery for
 //! [`LAST_DELIVERY_HOLD`] before their first statement (`CREDIT_TEST_LAST_DELIVERY_HOLD_MS`,
 //! seen in their logs): the unopened credits and the overdraws and poisons whose letters the
@@ -47,7 +48,8 @@ use super::observe::observe;
 use super::publish::{create_accounts, publish};
 use super::report::{Columns, Row};
 use super::streams::{
-    DURABLE, EVENTS_STREAM, INSTANCES, STREAM, credit_config, lift_outage, wait_for_letters,
+    DURABLE, EVENTS_STREAM, INSTANCES, STREAM, credit_config, delete_dead_letter_stream,
+    wait_for_letters,
 };
 use async_nats::jetstream;
 use inbox_testkit::{
@@ -186,18 +188,19 @@ async fn supervise(
             break;
         }
 
-        // The dead-letter stream rejects until a letter was rejected on its last delivery.
+        // The dead-letter stream rejects until a letter was rejected on its last delivery; then
+        // it is deleted, and the processes must create it again.
         if let (Outage::Rejecting { since }, Some(w)) = (faults.outage, &watch) {
             let seen = w.counts();
             if seen.at_last > 0 || since.elapsed() > OUTAGE_AT_MOST {
-                match lift_outage(js).await {
+                match delete_dead_letter_stream(js).await {
                     Ok(()) => {
                         let (rejected, messages) = (seen.by_seq.values().sum(), seen.by_seq.len());
                         let lasted = since.elapsed();
                         println!(
-                            "  dead-letter stream stores again after {:.1}s: it rejected \
-                             {rejected} letter publishes of {messages} messages, {} on a last \
-                             delivery ({applied} applied)",
+                            "  dead-letter stream deleted after {:.1}s (the processes create it \
+                             again): it rejected {rejected} letter publishes of {messages} \
+                             messages, {} on a last delivery ({applied} applied)",
                             lasted.as_secs_f64(),
                             seen.at_last,
                         );
@@ -210,7 +213,7 @@ async fn supervise(
                         watch = None;
                     }
                     // The nats-server may be restarting: try again at the next look.
-                    Err(e) => println!("  lifting the dead-letter outage failed: {e}"),
+                    Err(e) => println!("  deleting the dead-letter stream failed: {e}"),
                 }
             }
         }

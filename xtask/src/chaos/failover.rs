@@ -14,10 +14,11 @@
 //! (the failover is this run's one fault).
 //!
 //! **Fail over**, once a third of the requests are applied: every process of the primary is
-//! SIGKILLed at once (COMMITs in flight get no answer), the standby is promoted
-//! (`pg_promote()`, waited until out of recovery), and only then the proxy is switched to it
-//! (before, it would refuse writes). The `credit` processes see their connections lost, wait
-//! the outage out, and reconnect through the same address.
+//! SIGKILLed at once (COMMITs in flight get no answer), the proxy is switched to the standby
+//! while it is still read-only, for [`READ_ONLY_FOR`] (a standby answering before its promotion:
+//! every write refused with 25006), and then the standby is promoted (`pg_promote()`, waited
+//! until out of recovery). The `credit` processes see their connections lost, then writes
+//! refused, wait both out as an outage, and go on through the same address.
 //!
 //! **Verify** once the consumer has drained, on the new primary itself: every request applied
 //! exactly once, every message to reject dead-lettered exactly once, nothing else; every
@@ -39,6 +40,10 @@ use sqlx::AnyPool;
 use sqlx::any::AnyPoolOptions;
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+/// How long the proxy points at the standby before it is promoted: the processes meet its
+/// read-only refusals for longer than a few quick naks would last (`ack_wait` is 4 s).
+const READ_ONLY_FOR: Duration = Duration::from_secs(10);
 
 /// The failover, as it went.
 #[derive(Debug, Clone, Copy)]
@@ -182,12 +187,17 @@ async fn failover(
                 println!("  killing the primary ({applied_now} applied)");
                 let killed = Instant::now();
                 pair.kill_primary();
-                pair.promote_standby().await?;
-                // Only now: before its promotion the standby refuses writes (25006).
+                // The address moves to the standby before its promotion, as a failover manager
+                // may move it: for a while the processes reach a server that answers but
+                // refuses writes (25006), an outage to them, not the messages' fault.
                 proxy.switch_to(&pair.standby().address());
+                tokio::time::sleep(READ_ONLY_FOR).await;
+                pair.promote_standby().await?;
                 let switched = killed.elapsed();
                 println!(
-                    "  standby promoted and the proxy switched to it after {:.1}s",
+                    "  the proxy switched to the standby, read-only for {:.0}s, then promoted, \
+                     after {:.1}s",
+                    READ_ONLY_FOR.as_secs_f64(),
                     switched.as_secs_f64()
                 );
                 done = Some((applied_now, killed, switched));

@@ -121,6 +121,22 @@ pub async fn lift_outage(js: &jetstream::Context) -> Result<(), String> {
     Ok(())
 }
 
+/// Ends the dead-letter outage by deleting the stream (it stored nothing: a byte limit of 1,
+/// discard new), as an operator cleaning up would: the processes must create it again for
+/// their next letter, parked letters included. Refuses if it holds a letter.
+pub async fn delete_dead_letter_stream(js: &jetstream::Context) -> Result<(), String> {
+    let what = |e: &dyn std::fmt::Display| format!("dead-letter stream {DLQ_STREAM}: {e}");
+    let mut dlq = js.get_stream(DLQ_STREAM).await.map_err(|e| what(&e))?;
+    let held = dlq.info().await.map_err(|e| what(&e))?.state.messages;
+    if held > 0 {
+        return Err(format!(
+            "dead-letter stream {DLQ_STREAM} holds {held} letters during its outage: not deleted"
+        ));
+    }
+    js.delete_stream(DLQ_STREAM).await.map_err(|e| what(&e))?;
+    Ok(())
+}
+
 /// Every message `stream` holds, read one by one; fails unless all were read. `what` names the
 /// stream in errors.
 pub async fn stored(
