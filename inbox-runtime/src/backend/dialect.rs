@@ -104,6 +104,12 @@ pub trait Backend: sqlx::Database + Generic {
         format!("DELETE FROM {table} WHERE 1 = 0")
     }
 
+    /// Where lease arithmetic follows the session's time zone (MySQL: `TIMESTAMP` values are
+    /// converted to and from it, and a local time in the repeated hour of a DST change is
+    /// ambiguous): the statements that put the session in UTC and back, run around every lease
+    /// statement on a connection of the inbox's own.
+    const UTC_SESSION: Option<(&'static str, &'static str)> = None;
+
     /// Whether a database error says the server takes no writes now (a standby during a
     /// failover, a server set read-only): every message would meet it, so it is an outage.
     fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool;

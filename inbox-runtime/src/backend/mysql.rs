@@ -24,6 +24,11 @@ impl Backend for MySql {
 
     const VERSION_SQL: Option<&'static str> = Some("SELECT VERSION()");
 
+    const UTC_SESSION: Option<(&'static str, &'static str)> = Some((
+        "SET @inbox_time_zone = @@session.time_zone, @@session.time_zone = '+00:00'",
+        "SET @@session.time_zone = @inbox_time_zone",
+    ));
+
     fn relay_unsupported(version: &str) -> Option<String> {
         // SKIP LOCKED came with MariaDB 10.6 and MySQL 8.0.1. MariaDB may say "5.5.5-" first
         // (a prefix for old replication clients).

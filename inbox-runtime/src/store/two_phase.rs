@@ -154,11 +154,37 @@ impl<DB: InboxBackend> Inbox<DB> {
         key: &str,
         lease: Duration,
     ) -> Result<Acquired, ProcessError> {
+        let begin_err = |source| ProcessError::Database {
+            stage: Stage::Begin,
+            source,
+        };
+        let mut conn = self.pool().acquire().await.map_err(begin_err)?;
+        utc_session::<DB>(&mut conn, true)
+            .await
+            .map_err(begin_err)?;
+        let acquired = self.acquire_on(&mut conn, consumer, key, lease).await;
+        if utc_session::<DB>(&mut conn, false).await.is_err() {
+            // Never back in the pool with a zone the application did not set.
+            conn.close_on_drop();
+        }
+        acquired
+    }
+
+    /// [`Inbox::acquire`] on `conn`, in a transaction of its own.
+    async fn acquire_on(
+        &self,
+        conn: &mut DB::Connection,
+        consumer: &str,
+        key: &str,
+        lease: Duration,
+    ) -> Result<Acquired, ProcessError> {
+        use sqlx::Connection;
         let claim_err = |source| ProcessError::Database {
             stage: Stage::Claim,
             source,
         };
-        let mut tx = DB::begin(self.pool(), self.sql.begin.clone())
+        let mut tx = conn
+            .begin_with(self.sql.begin.clone())
             .await
             .map_err(|source| ProcessError::Database {
                 stage: Stage::Begin,
@@ -313,8 +339,10 @@ impl<DB: InboxBackend> Inbox<DB> {
         fence: i64,
     ) -> Result<u64, sqlx::Error> {
         let mut conn = self.pool().acquire().await?;
-        let done = DB::execute_fenced(&mut conn, sql.clone(), secs, id, fence).await?;
-        Ok(DB::rows_affected(&done))
+        utc_session::<DB>(&mut conn, true).await?;
+        let done = DB::execute_fenced(&mut conn, sql.clone(), secs, id, fence).await;
+        back_from_utc::<DB>(&mut conn).await;
+        Ok(DB::rows_affected(&done?))
     }
 
     /// The claims of `consumer` still open (not done) that were first claimed at least
@@ -327,8 +355,11 @@ impl<DB: InboxBackend> Inbox<DB> {
     ) -> Result<Vec<OpenClaim>, sqlx::Error> {
         let mut conn = self.pool().acquire().await?;
         let older = -i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        utc_session::<DB>(&mut conn, true).await?;
         let rows =
-            DB::fetch_open_claims(&mut conn, self.sql.claims.open.clone(), consumer, older).await?;
+            DB::fetch_open_claims(&mut conn, self.sql.claims.open.clone(), consumer, older).await;
+        back_from_utc::<DB>(&mut conn).await;
+        let rows = rows?;
         Ok(rows
             .into_iter()
             .map(|row| OpenClaim {
@@ -365,8 +396,33 @@ impl<DB: InboxBackend> Inbox<DB> {
         key: &str,
     ) -> Result<bool, sqlx::Error> {
         let mut conn = self.pool().acquire().await?;
-        let done = DB::execute_key(&mut conn, sql.clone(), consumer, key).await?;
-        Ok(DB::rows_affected(&done) > 0)
+        utc_session::<DB>(&mut conn, true).await?;
+        let done = DB::execute_key(&mut conn, sql.clone(), consumer, key).await;
+        back_from_utc::<DB>(&mut conn).await;
+        Ok(DB::rows_affected(&done?) > 0)
+    }
+}
+
+/// Puts the session of `conn` in UTC (`utc`), or back in its own zone, where the dialect's lease
+/// arithmetic follows the session's zone ([`Backend::UTC_SESSION`](crate::backend::Backend)):
+/// then every instance computes leases alike, whatever zone its sessions run in, and none is an
+/// hour off around a DST change.
+async fn utc_session<DB: InboxBackend>(
+    conn: &mut DB::Connection,
+    utc: bool,
+) -> Result<(), sqlx::Error> {
+    if let Some((to_utc, back)) = DB::UTC_SESSION {
+        let sql = if utc { to_utc } else { back };
+        DB::execute_raw(conn, sqlx::SqlSafeStr::into_sql_str(sql)).await?;
+    }
+    Ok(())
+}
+
+/// [`utc_session`] back to the session's own zone; a connection that cannot be put back is
+/// closed rather than returned to the pool in UTC.
+async fn back_from_utc<DB: InboxBackend>(conn: &mut sqlx::pool::PoolConnection<DB>) {
+    if utc_session::<DB>(conn, false).await.is_err() {
+        conn.close_on_drop();
     }
 }
 
