@@ -24,7 +24,10 @@ where
 {
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
     loop {
-        match tokio::spawn(start()).await {
+        // Aborted if this future is dropped (an App's run dropped by its caller): the task
+        // never outlives what supervises it.
+        let mut running = AbortOnDrop(tokio::spawn(start()));
+        match (&mut running.0).await {
             Ok(done) => return Some(done),
             Err(e) if e.is_panic() => {
                 let why = panic_text(&*e.into_panic());
@@ -53,4 +56,13 @@ pub(crate) fn panic_text(panic: &(dyn Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".to_owned())
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }

@@ -104,7 +104,9 @@ async fn one_instance_cut_off_does_not_stop_the_others<B: TestBackend>() {
             B::inbox(pool),
             nats.consumer("c", Duration::from_secs(30)).await,
         )
+        // Unbatched, also in the batched test pass.
         .concurrency(1)
+        .batch(1, Duration::from_millis(1))
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
     let cut_off_run = Running::start(&cut_off);

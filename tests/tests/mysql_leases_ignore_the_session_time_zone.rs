@@ -97,28 +97,25 @@ async fn lease_taken_at(now: i64) -> f64 {
     until
 }
 
+/// Asserts that a lease taken with the server's clock at `now` ends [`LEASE`] later.
+async fn assert_lease_ends_on_time(now: i64) {
+    let until = lease_taken_at(now).await;
+    let after = until - now as f64;
+    assert_eq!(
+        after,
+        LEASE.as_secs_f64(),
+        "the lease ends {after:+.0} s after it was taken"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_before_the_clocks_go_back_ends_on_time() {
     // 2026-10-25 00:59:50 UTC: 02:59:50 CEST, 10 s before the clocks go back to 02:00.
-    let now = 1_792_889_990;
-    let until = lease_taken_at(now).await;
-    assert_eq!(
-        until - now as f64,
-        LEASE.as_secs_f64(),
-        "the lease ends {:+.0} s after it was taken",
-        until - now as f64
-    );
+    assert_lease_ends_on_time(1_792_889_990).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_in_the_repeated_hour_ends_on_time() {
     // 2026-10-25 01:30:00 UTC: 02:30:00 CET, the second time the clocks show 02:30.
-    let now = 1_792_891_800;
-    let until = lease_taken_at(now).await;
-    assert_eq!(
-        until - now as f64,
-        LEASE.as_secs_f64(),
-        "the lease ends {:+.0} s after it was taken",
-        until - now as f64
-    );
+    assert_lease_ends_on_time(1_792_891_800).await;
 }

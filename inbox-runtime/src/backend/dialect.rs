@@ -241,6 +241,9 @@ pub trait Backend: sqlx::Database + Generic {
     /// SELECT of pending rows ends with ([`RelayTurns::fetch_suffix`]).
     const RELAY_TURNS: RelayTurns = RelayTurns::SkipLocked;
 
+    /// The function that gives the length in bytes of a text or binary value.
+    const BYTE_LENGTH: &'static str = "octet_length";
+
     /// The statement that reads the server's version, where [`Backend::relay_unsupported`]
     /// needs it.
     const VERSION_SQL: Option<&'static str> = None;

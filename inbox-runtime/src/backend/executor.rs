@@ -3,8 +3,8 @@
 //! (`rows.rs`).
 
 use super::rows::{
-    Backlog, ClaimState, DeleteBatch, FailedRow, KeyId, NewOutboxRow, OpenClaimRow, OutboxRow,
-    ParkedRow,
+    Backlog, ClaimState, DeleteBatch, FailedRow, IdSize, KeyId, NewOutboxRow, OpenClaimRow,
+    OutboxRow, ParkedRow,
 };
 use sqlx::migrate::{MigrateError, Migrator};
 use sqlx::pool::PoolConnection;
@@ -112,12 +112,19 @@ pub trait Generic: sqlx::Database {
         sql: &'static str,
     ) -> impl Future<Output = Result<String, sqlx::Error>> + Send + 'a;
 
-    /// The outbox: runs `sql` binding each of `subjects`, then `n`, and returns its rows.
-    fn outbox_rows<'a>(
+    /// The outbox: runs `sql` binding each of `subjects`, then `n`, and returns the ids and
+    /// sizes it locked.
+    fn outbox_sizes<'a>(
         conn: &'a mut Self::Connection,
         sql: SqlStr,
         subjects: &'a [String],
         n: i64,
+    ) -> impl Future<Output = Result<Vec<IdSize>, sqlx::Error>> + Send + 'a;
+
+    /// The outbox: runs `sql` (no binds) and returns its rows.
+    fn outbox_rows<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
     ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send + 'a;
 
     /// The outbox: records row `id` (of order key `key`) as refused for good, with `error`.
@@ -181,6 +188,7 @@ where
     for<'r> OpenClaimRow: sqlx::FromRow<'r, DB::Row>,
     for<'r> OutboxRow: sqlx::FromRow<'r, DB::Row>,
     for<'r> FailedRow: sqlx::FromRow<'r, DB::Row>,
+    for<'r> IdSize: sqlx::FromRow<'r, DB::Row>,
     for<'r> KeyId: sqlx::FromRow<'r, DB::Row>,
     for<'r> Backlog: sqlx::FromRow<'r, DB::Row>,
     usize: sqlx::ColumnIndex<DB::Row>,
@@ -327,17 +335,24 @@ where
         Ok(text)
     }
 
-    async fn outbox_rows<'a>(
+    async fn outbox_sizes<'a>(
         conn: &'a mut DB::Connection,
         sql: SqlStr,
         subjects: &'a [String],
         n: i64,
-    ) -> Result<Vec<OutboxRow>, sqlx::Error> {
-        let mut query = sqlx::query_as::<DB, OutboxRow>(sql);
+    ) -> Result<Vec<IdSize>, sqlx::Error> {
+        let mut query = sqlx::query_as::<DB, IdSize>(sql);
         for subject in subjects {
             query = query.bind(subject.as_str());
         }
         query.bind(n).fetch_all(conn).await
+    }
+
+    async fn outbox_rows(
+        conn: &mut DB::Connection,
+        sql: SqlStr,
+    ) -> Result<Vec<OutboxRow>, sqlx::Error> {
+        sqlx::query_as::<DB, OutboxRow>(sql).fetch_all(conn).await
     }
 
     async fn outbox_fail<'a>(

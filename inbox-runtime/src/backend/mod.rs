@@ -28,7 +28,7 @@ mod sqlite;
 pub(crate) use dialect::{Backend, Claimed, RelayTurns};
 pub(crate) use executor::Generic;
 pub use rows::FailedRow;
-pub(crate) use rows::{DeleteBatch, KeyId, NewOutboxRow, OutboxRow};
+pub(crate) use rows::{DeleteBatch, IdSize, KeyId, NewOutboxRow, OutboxRow};
 #[cfg(feature = "sqlite")]
 pub use sqlite::sqlite_options;
 pub(crate) use statements::{

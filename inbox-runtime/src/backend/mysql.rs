@@ -23,6 +23,7 @@ impl Backend for MySql {
     const KEY_TEXT: &'static str = "CONVERT(message_key USING utf8mb4)";
 
     const VERSION_SQL: Option<&'static str> = Some("SELECT VERSION()");
+    const BYTE_LENGTH: &'static str = "LENGTH";
 
     const UTC_SESSION: Option<(&'static str, &'static str)> = Some((
         "SET @inbox_time_zone = @@session.time_zone, @@session.time_zone = '+00:00'",

@@ -97,6 +97,16 @@ pub struct NewOutboxRow<'a> {
     pub payload: &'a [u8],
 }
 
+/// A row id and its size in bytes (payload and headers): what a relay pass locks before it
+/// loads the payloads that fit its byte budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IdSize {
+    /// The row's id.
+    pub id: i64,
+    /// Its payload's and headers' bytes.
+    pub size: i64,
+}
+
 /// A key and a row id: a batch's new marker for a key, or an order key's oldest pending row.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KeyId {
@@ -180,6 +190,10 @@ from_row_by_position!(FailedRow {
     order_key: String = order_key,
     error: String = error,
     failed_ms_ago: i64 = failed_ms_ago,
+});
+from_row_by_position!(IdSize {
+    id: i64 = id,
+    size: i64 = size,
 });
 from_row_by_position!(KeyId {
     key: String = key,

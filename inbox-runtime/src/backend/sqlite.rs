@@ -105,6 +105,8 @@ impl Backend for Sqlite {
 
     // BEGIN IMMEDIATE holds the write lock; relays take turns by the lease in `<table>_relay`.
     const RELAY_TURNS: RelayTurns = RelayTurns::Lease;
+    // Of a BLOB, its bytes; of TEXT, its characters (close enough for a memory bound).
+    const BYTE_LENGTH: &'static str = "length";
 
     fn outbox_migration_sql(table: &TableName) -> Vec<String> {
         vec![
@@ -175,9 +177,15 @@ impl Backend for Sqlite {
 
     fn writable_probe_sql(table: &TableName) -> String {
         // Any write to the database needs its one write lock, which a frozen writer may hold
-        // for as long as it is frozen; a temporary table is the connection's own, and is
-        // refused as well where the connection takes no writes (`PRAGMA query_only`).
-        format!("CREATE TEMP TABLE IF NOT EXISTS {table}_probe (x INTEGER)")
+        // for as long as it is frozen; a temporary table is the connection's own, and a write
+        // to it (every time: the DELETE, not the CREATE, which does nothing once the table is
+        // there) is refused as well where the connection takes no writes (`PRAGMA
+        // query_only`). A database file that is read-only is not seen here: its writes fail
+        // as a message's failure.
+        format!(
+            "CREATE TEMP TABLE IF NOT EXISTS {table}_probe (x INTEGER); \
+             DELETE FROM temp.{table}_probe WHERE 1 = 0"
+        )
     }
 
     fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool {

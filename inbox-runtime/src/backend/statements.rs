@@ -139,6 +139,9 @@ impl ClaimStatements {
 /// The longest lock wait of a batch without lanes (see `InboxStatements::begin_unlaned`).
 pub(crate) const UNLANED_LOCK_WAIT: Duration = Duration::from_millis(200);
 
+/// Payload and header bytes of parked dead letters read at once at most (at least one letter).
+const PARKED_BYTES: u64 = 16 * 1024 * 1024;
+
 impl InboxStatements {
     /// Bounds every statement of a message's transaction by `timeout`, where the dialect can
     /// ([`Backend::statement_timeout_sql`](super::Backend::statement_timeout_sql)).
@@ -164,10 +167,15 @@ impl InboxStatements {
                 DB::param(2),
                 DB::param(3)
             )),
+            // The oldest 100 that fit in PARKED_BYTES (and always the first).
             parked: sql(format!(
-                "SELECT id, headers, payload FROM {table}_dead_letters WHERE consumer = {} \
-                 ORDER BY id LIMIT 100",
-                DB::param(1)
+                "SELECT id, headers, payload FROM (SELECT id, headers, payload, \
+                 SUM({len}(payload) + {len}(headers)) OVER (ORDER BY id) AS upto, \
+                 {len}(payload) + {len}(headers) AS size \
+                 FROM {table}_dead_letters WHERE consumer = {}) letters \
+                 WHERE upto - size < {PARKED_BYTES} ORDER BY id LIMIT 100",
+                DB::param(1),
+                len = DB::BYTE_LENGTH,
             )),
             unpark: sql(format!(
                 "DELETE FROM {table}_dead_letters WHERE id = {}",

@@ -20,7 +20,9 @@ use super::relay::Relay;
 use super::statements::OutboxStatements;
 use super::streams::Checks;
 use crate::backend::fleet::{FleetLock, delete_in_batches};
-use crate::backend::{DEFAULT_LOCK_TIMEOUT, DeleteBatch, InboxBackend, OutboxRow, RelayTurns};
+use crate::backend::{
+    DEFAULT_LOCK_TIMEOUT, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns,
+};
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
@@ -64,17 +66,21 @@ impl<DB: InboxBackend> Relay<DB> {
             if DB::rows_affected(&held) == 0 {
                 return Ok(false);
             }
-            let rows = DB::outbox_rows(&mut *conn, fetch, &blocked, limit).await?;
-            if rows.is_empty() {
+            let sizes = DB::outbox_sizes(&mut *conn, fetch, &blocked, limit).await?;
+            if sizes.is_empty() {
                 return Ok(false);
             }
+            let ids = within(&sizes, self.max_bytes);
+            let rows = DB::outbox_rows(&mut *conn, sql.rows(&ids)).await?;
             let taken = rows.len();
             let heads = heads::<DB>(&mut *conn, sql, &rows).await?;
             drop(conn);
             let done = self.publish(js, checks, rows, &heads).await;
-            // More may wait only when a whole batch went: a row held back or failing waits for
-            // the next wake-up or poll, rather than being tried again at once.
-            let full = taken as i64 >= limit && done.sent.len() == taken;
+            // More may wait only when a whole batch (or as many rows as the byte budget let in)
+            // went: a row held back or failing waits for the next wake-up or poll, rather than
+            // being tried again at once.
+            let more = sizes.len() as i64 >= limit || taken < sizes.len();
+            let full = more && done.sent.len() == taken;
             self.hook().await;
             if !done.sent.is_empty() || !done.failed.is_empty() {
                 let mut conn = pool.acquire().await?;
@@ -83,15 +89,19 @@ impl<DB: InboxBackend> Relay<DB> {
             return Ok(full);
         }
         let mut tx = DB::begin(pool, DB::begin_sql(DEFAULT_LOCK_TIMEOUT)).await?;
-        let rows = DB::outbox_rows(&mut *tx, fetch, &blocked, limit).await?;
-        if rows.is_empty() {
+        let sizes = DB::outbox_sizes(&mut *tx, fetch, &blocked, limit).await?;
+        if sizes.is_empty() {
             tx.commit().await?;
             return Ok(false);
         }
+        // Locked are all of `sizes`; loaded, the oldest that fit the byte budget.
+        let ids = within(&sizes, self.max_bytes);
+        let rows = DB::outbox_rows(&mut *tx, sql.rows(&ids)).await?;
         let taken = rows.len();
         let heads = heads::<DB>(&mut *tx, sql, &rows).await?;
         let done = self.publish(js, checks, rows, &heads).await;
-        let full = taken as i64 >= limit && done.sent.len() == taken;
+        let more = sizes.len() as i64 >= limit || taken < sizes.len();
+        let full = more && done.sent.len() == taken;
         self.hook().await;
         self.record(&mut *tx, &done).await?;
         tx.commit().await?;
@@ -251,6 +261,20 @@ impl<DB: InboxBackend> Relay<DB> {
     }
 }
 
+/// The ids of the oldest of `sizes` whose bytes add up to at most `budget`, and always the first.
+fn within(sizes: &[IdSize], budget: u64) -> Vec<i64> {
+    let mut total = 0u64;
+    let mut ids = Vec::new();
+    for row in sizes {
+        total = total.saturating_add(u64::try_from(row.size).unwrap_or(0));
+        if total > budget && !ids.is_empty() {
+            break;
+        }
+        ids.push(row.id);
+    }
+    ids
+}
+
 /// Each key's smallest pending id among the rows up to the last of `rows`.
 async fn heads<DB: InboxBackend>(
     conn: &mut DB::Connection,
@@ -342,6 +366,17 @@ async fn publish_one(
             PublishErrorKind::MaxPayloadExceeded => Refusal::ForGood(e.to_string()),
             _ => Refusal::Later(e.into()),
         })?;
-    let ack = ack.await.map_err(|e| Refusal::Later(e.into()))?;
+    let ack = ack.await.map_err(|e| {
+        // The stream's own limit (`max_msg_size`): it will never take this row as it is.
+        let too_large = std::error::Error::source(&e)
+            .and_then(|s| s.downcast_ref::<jetstream::Error>())
+            .is_some_and(|s| {
+                s.error_code() == jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
+            });
+        match too_large {
+            true => Refusal::ForGood(e.to_string()),
+            false => Refusal::Later(e.into()),
+        }
+    })?;
     Ok(ack.duplicate)
 }

@@ -22,6 +22,10 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(3600);
 /// Rows one pass takes by default.
 const DEFAULT_BATCH: u32 = 100;
 
+/// Payload and header bytes one pass loads at most by default (a pass always takes its first
+/// row, whatever its size).
+const DEFAULT_MAX_BYTES: u64 = 16 * 1024 * 1024;
+
 /// How often the relay looks for rows nobody woke it for, by default.
 const DEFAULT_POLL: Duration = Duration::from_secs(1);
 
@@ -73,6 +77,7 @@ pub type Hook = Arc<dyn Fn() -> BoxFuture<'static, ()> + Send + Sync>;
 pub struct Relay<DB: InboxBackend> {
     pub(super) outbox: Outbox<DB>,
     pub(super) batch: u32,
+    pub(super) max_bytes: u64,
     poll: Duration,
     pub(super) retention: Duration,
     streams: Vec<String>,
@@ -91,6 +96,7 @@ impl<DB: InboxBackend> Clone for Relay<DB> {
         Relay {
             outbox: self.outbox.clone(),
             batch: self.batch,
+            max_bytes: self.max_bytes,
             poll: self.poll,
             retention: self.retention,
             streams: self.streams.clone(),
@@ -109,6 +115,7 @@ impl<DB: InboxBackend> Relay<DB> {
         Relay {
             outbox,
             batch: DEFAULT_BATCH,
+            max_bytes: DEFAULT_MAX_BYTES,
             poll: DEFAULT_POLL,
             retention: DEFAULT_RETENTION,
             streams: Vec::new(),
@@ -123,6 +130,14 @@ impl<DB: InboxBackend> Relay<DB> {
     /// At most `rows` per pass (one transaction, one mark), at least 1.
     pub fn batch(mut self, rows: u32) -> Self {
         self.batch = rows.max(1);
+        self
+    }
+
+    /// At most `bytes` of payloads and headers loaded by one pass (default 16 MiB): the rows it
+    /// takes are the oldest that fit, and always at least one, so that a relay's memory is
+    /// bounded by bytes rather than by the batch's row count times the largest payload.
+    pub fn max_bytes(mut self, bytes: u64) -> Self {
+        self.max_bytes = bytes.max(1);
         self
     }
 

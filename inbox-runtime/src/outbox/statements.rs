@@ -7,9 +7,9 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 pub(crate) struct OutboxStatements {
     /// Binds msg id, subject, order key, headers (JSON), payload.
     pub(crate) insert: SqlStr,
-    /// Binds a limit: the oldest pending rows, locked (passing over those another relay holds),
-    /// but for the keys of failed rows ([`OutboxStatements::fetch_without`] also leaves out
-    /// subjects).
+    /// Binds a limit: the ids and sizes of the oldest pending rows, locked (passing over those
+    /// another relay holds), but for the keys of failed rows
+    /// ([`OutboxStatements::fetch_without`] also leaves out subjects).
     pub(crate) fetch: SqlStr,
     /// Binds id, order key, error: records a row as failed.
     pub(crate) fail: SqlStr,
@@ -103,6 +103,18 @@ impl OutboxStatements {
         }
     }
 
+    /// The rows `ids` (which a pass has locked), in id order.
+    pub(crate) fn rows(&self, ids: &[i64]) -> SqlStr {
+        let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+        AssertSqlSafe(format!(
+            "SELECT id, msg_id, subject, order_key, headers, payload FROM {} \
+             WHERE id IN ({}) ORDER BY id",
+            self.table,
+            list.join(", ")
+        ))
+        .into_sql_str()
+    }
+
     /// Marks rows `ids` sent. The ids are the database's own integers, written into the
     /// statement (it runs unprepared, since its text changes with every batch).
     pub(crate) fn mark_sent<DB: InboxBackend>(&self, ids: &[i64]) -> SqlStr {
@@ -110,8 +122,9 @@ impl OutboxStatements {
     }
 }
 
-/// The pending rows of `table`, oldest first, locked where relays lock them, but for the keys of
-/// failed rows and (bound first) `subjects` subjects; binds the limit last.
+/// The pending rows of `table` (id and size in bytes), oldest first, locked where relays lock
+/// them, but for the keys of failed rows and (bound first) `subjects` subjects; binds the limit
+/// last.
 fn fetch_sql<DB: InboxBackend>(table: &TableName, subjects: usize) -> SqlStr {
     let p = DB::param;
     let without = match subjects {
@@ -122,11 +135,13 @@ fn fetch_sql<DB: InboxBackend>(table: &TableName, subjects: usize) -> SqlStr {
         }
     };
     AssertSqlSafe(format!(
-        "SELECT id, msg_id, subject, order_key, headers, payload FROM {table} \
+        "SELECT id, CAST({len}(payload) + {len}(headers) AS {int}) FROM {table} \
          WHERE sent_at IS NULL AND order_key NOT IN (SELECT order_key FROM {table}_failed){without} \
          ORDER BY id LIMIT {}{}",
         p(subjects + 1),
-        DB::RELAY_TURNS.fetch_suffix()
+        DB::RELAY_TURNS.fetch_suffix(),
+        len = DB::BYTE_LENGTH,
+        int = DB::INT64,
     ))
     .into_sql_str()
 }

@@ -80,10 +80,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .process_in(&mut tx, handler, state, message, delivery, key)
                 .await;
             match processed {
-                Ok(Outcome::Ack) => match tx.commit().await {
-                    Ok(()) => Ok(Outcome::Ack),
-                    Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
-                },
+                Ok(Outcome::Ack) => Ok(tx.commit().await.map(|()| Outcome::Ack)),
                 other => {
                     // A duplicate wrote nothing and a failure must leave nothing: roll back
                     // now rather than on drop, so that the connection returns to the pool
@@ -91,7 +88,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                     if let Err(e) = tx.rollback().await {
                         tracing::debug!(error = %e, "rollback failed; the connection is discarded");
                     }
-                    other
+                    other.map(Ok)
                 }
             }
         }
@@ -101,7 +98,13 @@ impl<DB: InboxBackend> Inbox<DB> {
         {
             conn.close_on_drop();
         }
-        done
+        // Back in the pool before a failed COMMIT's marker is looked up on another connection:
+        // with every connection in use, the lookup would wait for its own.
+        drop(conn);
+        match done? {
+            Ok(outcome) => Ok(outcome),
+            Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
+        }
     }
 
     /// COMMIT failed with `source`, and its outcome is unknown: the connection may have been

@@ -158,15 +158,9 @@ impl<DB: InboxBackend> Inbox<DB> {
             stage: Stage::Begin,
             source,
         };
-        let mut conn = self.pool().acquire().await.map_err(begin_err)?;
-        utc_session::<DB>(&mut conn, true)
-            .await
-            .map_err(begin_err)?;
-        let acquired = self.acquire_on(&mut conn, consumer, key, lease).await;
-        if utc_session::<DB>(&mut conn, false).await.is_err() {
-            // Never back in the pool with a zone the application did not set.
-            conn.close_on_drop();
-        }
+        let mut conn = InUtc::enter(self.pool()).await.map_err(begin_err)?;
+        let acquired = self.acquire_on(conn.conn(), consumer, key, lease).await;
+        conn.leave().await;
         acquired
     }
 
@@ -338,10 +332,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         id: i64,
         fence: i64,
     ) -> Result<u64, sqlx::Error> {
-        let mut conn = self.pool().acquire().await?;
-        utc_session::<DB>(&mut conn, true).await?;
-        let done = DB::execute_fenced(&mut conn, sql.clone(), secs, id, fence).await;
-        back_from_utc::<DB>(&mut conn).await;
+        let mut conn = InUtc::enter(self.pool()).await?;
+        let done = DB::execute_fenced(conn.conn(), sql.clone(), secs, id, fence).await;
+        conn.leave().await;
         Ok(DB::rows_affected(&done?))
     }
 
@@ -353,12 +346,11 @@ impl<DB: InboxBackend> Inbox<DB> {
         consumer: &str,
         older_than: Duration,
     ) -> Result<Vec<OpenClaim>, sqlx::Error> {
-        let mut conn = self.pool().acquire().await?;
         let older = -i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
-        utc_session::<DB>(&mut conn, true).await?;
-        let rows =
-            DB::fetch_open_claims(&mut conn, self.sql.claims.open.clone(), consumer, older).await;
-        back_from_utc::<DB>(&mut conn).await;
+        let mut conn = InUtc::enter(self.pool()).await?;
+        let sql = self.sql.claims.open.clone();
+        let rows = DB::fetch_open_claims(conn.conn(), sql, consumer, older).await;
+        conn.leave().await;
         let rows = rows?;
         Ok(rows
             .into_iter()
@@ -395,10 +387,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         consumer: &str,
         key: &str,
     ) -> Result<bool, sqlx::Error> {
-        let mut conn = self.pool().acquire().await?;
-        utc_session::<DB>(&mut conn, true).await?;
-        let done = DB::execute_key(&mut conn, sql.clone(), consumer, key).await;
-        back_from_utc::<DB>(&mut conn).await;
+        let mut conn = InUtc::enter(self.pool()).await?;
+        let done = DB::execute_key(conn.conn(), sql.clone(), consumer, key).await;
+        conn.leave().await;
         Ok(DB::rows_affected(&done?) > 0)
     }
 }
@@ -418,11 +409,44 @@ async fn utc_session<DB: InboxBackend>(
     Ok(())
 }
 
-/// [`utc_session`] back to the session's own zone; a connection that cannot be put back is
-/// closed rather than returned to the pool in UTC.
-async fn back_from_utc<DB: InboxBackend>(conn: &mut sqlx::pool::PoolConnection<DB>) {
-    if utc_session::<DB>(conn, false).await.is_err() {
-        conn.close_on_drop();
+/// A connection of the pool whose session is in UTC for lease statements ([`utc_session`]).
+/// Put back in its own zone by [`InUtc::leave`]; dropped before that (a try cut at its deadline,
+/// a renewal given up mid-statement) or when it cannot be put back, it is closed rather than
+/// returned to the pool with a zone the application did not set.
+struct InUtc<DB: InboxBackend> {
+    conn: sqlx::pool::PoolConnection<DB>,
+    back: bool,
+}
+
+impl<DB: InboxBackend> InUtc<DB> {
+    /// A connection of `pool`, its session put in UTC.
+    async fn enter(pool: &sqlx::Pool<DB>) -> Result<Self, sqlx::Error> {
+        let mut conn = InUtc {
+            conn: pool.acquire().await?,
+            back: DB::UTC_SESSION.is_none(),
+        };
+        utc_session::<DB>(&mut conn.conn, true).await?;
+        Ok(conn)
+    }
+
+    /// The connection.
+    fn conn(&mut self) -> &mut DB::Connection {
+        &mut self.conn
+    }
+
+    /// Puts the session back in its own zone.
+    async fn leave(&mut self) {
+        if !self.back && utc_session::<DB>(&mut self.conn, false).await.is_ok() {
+            self.back = true;
+        }
+    }
+}
+
+impl<DB: InboxBackend> Drop for InUtc<DB> {
+    fn drop(&mut self) {
+        if !self.back {
+            self.conn.close_on_drop();
+        }
     }
 }
 

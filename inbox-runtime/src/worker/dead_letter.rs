@@ -320,9 +320,9 @@ pub(crate) fn scrub(text: &str) -> String {
     while !rest.is_empty() {
         // A URL: scheme, "://", then up to the next whitespace or quote.
         if let Some(at) = rest.find("://") {
-            let scheme_start = rest[..at]
-                .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.')))
-                .map_or(0, |i| i + 1);
+            let scheme_start = after_last(&rest[..at], |c| {
+                !(c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+            });
             out.push_str(&scrub_pairs(&rest[..scheme_start], &SECRET_NAMES));
             let url_end = rest[at + 3..]
                 .find(ends_token)
@@ -356,15 +356,24 @@ pub(crate) fn scrub(text: &str) -> String {
     out
 }
 
+/// Where what follows the last character of `text` matching `pred` starts (a byte index on a
+/// character boundary, whatever that character's width); 0 when none matches.
+fn after_last(text: &str, pred: impl Fn(char) -> bool) -> usize {
+    text.char_indices()
+        .rev()
+        .find(|&(_, c)| pred(c))
+        .map_or(0, |(i, c)| i + c.len_utf8())
+}
+
 /// `text` with the value of each `name=value` / `name: value` pair whose name contains one of
 /// `names` (any letter case) replaced by `***`.
 fn scrub_pairs(text: &str, names: &[&str]) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(sep) = rest.find(['=', ':']) {
-        let name_start = rest[..sep]
-            .rfind(|c: char| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-')))
-            .map_or(0, |i| i + 1);
+        let name_start = after_last(&rest[..sep], |c| {
+            !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-'))
+        });
         let name = rest[name_start..sep].to_ascii_lowercase();
         let mut value_start = sep + 1;
         if rest[sep..].starts_with(": ") {
@@ -547,6 +556,12 @@ mod tests {
             (
                 "balance would go below 0 for account 7",
                 "balance would go below 0 for account 7",
+            ),
+            // Characters wider than a byte right before a pair or a URL.
+            ("Größe: 5, café=1, ошибка: x", "Größe: 5, café=1, ошибка: x"),
+            (
+                "«https://u:p@h/x?k=v» Schlüssel=geheim",
+                "«https://***@h/x?*** Schlüssel=geheim",
             ),
         ];
         for (error, shown) in cases {

@@ -19,7 +19,8 @@
 //!   relay nor stall the other keys: the refused ones are kept as failed, holding back their
 //!   key, and `enqueue` refuses such messages up front;
 //! - a relay that panics is started again by the App, whose workers go on;
-//! - a relay that stops ends its turn (SQLite's lease): the next one takes over at once.
+//! - a relay that stops ends its turn (SQLite's lease): the next one takes over at once;
+//! - a pass loads no more payload bytes than its budget (`Relay::max_bytes`), one row at least.
 
 use super::setup;
 use crate::backends::TestBackend;
@@ -553,6 +554,17 @@ async fn refused_rows_neither_panic_the_relay_nor_stall_other_keys<B: TestBacken
         ],
     )
     .await;
+    // Within max_payload, but over the target stream's own max_msg_size: refused at the PubAck.
+    let small = Events::create_with(&nats.js, |c| stream::Config {
+        max_message_size: 100,
+        ..c
+    })
+    .await;
+    commit(
+        &outbox,
+        [OutboxMessage::new(&*small.subject, vec![b'y'; 200]).order_key("s")],
+    )
+    .await;
     let forge = |sql: String| B::exec(&db, Box::leak(sql.into_boxed_str()));
     forge(format!(
         "UPDATE outbox SET headers = '[[\"Ünïcode\",\"v\"]]' WHERE msg_id = '{}'",
@@ -584,7 +596,7 @@ async fn refused_rows_neither_panic_the_relay_nor_stall_other_keys<B: TestBacken
     wait_until(
         "the refused rows to be kept as failed",
         DEADLINE,
-        || async { outbox.failed(10).await.unwrap().len() == 3 },
+        || async { outbox.failed(10).await.unwrap().len() == 4 },
     )
     .await
     .unwrap();
@@ -600,12 +612,13 @@ async fn refused_rows_neither_panic_the_relay_nor_stall_other_keys<B: TestBacken
     assert!(why[0].contains("header name"), "{why:?}");
     assert!(why[1].contains("line break"), "{why:?}");
     assert!(why[2].contains("max payload"), "{why:?}");
+    assert!(why[3].contains("maximum"), "{why:?}");
     assert_eq!(
         failed
             .iter()
             .map(|f| f.order_key.as_str())
             .collect::<Vec<_>>(),
-        ["h", "i", "big"]
+        ["h", "i", "big", "s"]
     );
     // Now that the relay knows the server's limit, such a message is refused when written.
     let mut tx = outbox.pool().begin().await.unwrap();
@@ -626,11 +639,11 @@ async fn refused_rows_neither_panic_the_relay_nor_stall_other_keys<B: TestBacken
     .unwrap();
     stop.cancel();
     let stats = relaying.await.expect("the relay never panicked");
-    assert_eq!((stats.published, stats.failed), (4, 3), "{stats:?}");
+    assert_eq!((stats.published, stats.failed), (4, 4), "{stats:?}");
     let stored = events.messages().await;
     assert_eq!(stored[3].1, b"after bad header");
-    // Pending: the two failed rows, the row held behind one, and the twelve with no stream.
-    assert_eq!(outbox.pending().await.unwrap().0, 15);
+    // Pending: the three failed rows, the row held behind one, and the twelve with no stream.
+    assert_eq!(outbox.pending().await.unwrap().0, 16);
 }
 
 /// The test.
@@ -736,6 +749,50 @@ async fn a_relay_that_stops_lets_the_next_one_take_over_at_once<B: TestBackend>(
     assert_eq!(relaying.await.unwrap().published, 1);
 }
 
+/// The test. A pass loads the oldest rows that fit its byte budget (and always one): five rows
+/// of 600 bytes under a budget of 1,000 go in five passes, in order. Before, a pass loaded its
+/// whole batch (100 rows) whatever their size.
+async fn a_pass_loads_no_more_than_its_byte_budget<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let ids = commit(
+        &outbox,
+        (0..5).map(|i| OutboxMessage::new(&*events.subject, vec![b'0' + i as u8; 600])),
+    )
+    .await;
+    let passes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = Arc::clone(&passes);
+    let relay = Relay::new(outbox.clone())
+        .max_bytes(1_000)
+        .before_mark(Arc::new(move || {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async {}.boxed()
+        }));
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("every row", DEADLINE, || async {
+        events.count().await == 5
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.unwrap();
+    assert_eq!((stats.published, stats.marked), (5, 5), "{stats:?}");
+    assert_eq!(
+        passes.load(std::sync::atomic::Ordering::SeqCst),
+        5,
+        "one row per pass under the budget"
+    );
+    let stored: Vec<String> = events
+        .messages()
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect();
+    assert_eq!(stored, ids, "in order");
+}
+
 /// Whether nats-server `version` ("2.12.0", "v2.15.1-beta") is at least `(major, minor)`.
 fn at_least(version: &str, wanted: (u64, u64)) -> bool {
     let mut parts = version
@@ -759,4 +816,5 @@ super::behaviours!(
     refused_rows_neither_panic_the_relay_nor_stall_other_keys,
     a_relay_that_panics_is_started_again_and_the_workers_go_on,
     a_relay_that_stops_lets_the_next_one_take_over_at_once,
+    a_pass_loads_no_more_than_its_byte_budget,
 );
