@@ -67,8 +67,9 @@ async fn silent_database_dead_letters_nothing<B: TestBackend>() {
     proxy.freeze();
     nats.publish_all((0..MESSAGES).map(|i| Entry::new(format!("m-{i}"), i, 1).json()))
         .await;
-    // Silent far longer than MAX_DELIVER tries cut at the deadline would take.
-    let period = (ack_wait + Duration::from_secs(1)) * (MAX_DELIVER as u32 + 2);
+    // Silent longer than MAX_DELIVER tries cut at the deadline take (before, the first message
+    // was dead-lettered within about eight seconds), and than an unacked delivery lasts.
+    let period = Duration::from_secs(2) * MAX_DELIVER as u32 + ack_wait;
     let mut poll = inbox_testkit::Poll::new("the silence to last", period);
     while poll.elapsed() < period {
         let stats = worker.stats();

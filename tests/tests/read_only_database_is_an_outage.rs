@@ -11,7 +11,7 @@
 use inbox_testkit::wait_until;
 use inbox_tests::backends::TestBackend;
 use inbox_tests::handlers::{Entry, Probe};
-use inbox_tests::{MAX_DELIVER, NatsStream, Running};
+use inbox_tests::{NatsStream, Running};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -36,8 +36,9 @@ async fn read_only_period_dead_letters_nothing<B: TestBackend>() {
     let run = Running::start(&worker);
     nats.publish_all((0..MESSAGES).map(|i| Entry::new(format!("m-{i}"), i, 1).json()))
         .await;
-    // Read-only far longer than MAX_DELIVER quick naks, or ack_wait, would take.
-    let period = ack_wait * (MAX_DELIVER as u32 + 2);
+    // Read-only for three ack_waits: far longer than MAX_DELIVER quick naks take (before, every
+    // message was dead-lettered within about a second), and than an unacked delivery lasts.
+    let period = ack_wait * 3;
     let mut poll = inbox_testkit::Poll::new("the read-only period to last", period);
     while poll.elapsed() < period {
         let stats = worker.stats();
