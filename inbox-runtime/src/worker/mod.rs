@@ -19,6 +19,7 @@ mod check;
 mod circuit;
 mod dead_letter;
 mod error;
+mod letter_text;
 mod max_deliver;
 mod names;
 mod pull;

@@ -3,7 +3,7 @@
 //! worker acts on it now: see `max_deliver.rs`) and the worker's limits. This file is
 //! the README's table "What JetStream hears"; it does no I/O (`serve.rs` carries it out).
 
-use super::dead_letter::letter_text;
+use super::letter_text::letter_text;
 use crate::backoff::Backoff;
 use crate::classify::ErrorClass;
 use crate::error::ProcessError;
