@@ -53,6 +53,25 @@ use tokio_util::task::TaskTracker;
 /// An upkeep task's future, started again after a panic.
 type Upkeep = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
+/// What starts an upkeep task, from the worker and its shutdown token.
+type StartUpkeep<H> = Box<dyn Fn(Arc<Inner<H>>, CancellationToken) -> Upkeep + Send + Sync>;
+
+/// Runs upkeep task `name` on `tasks`, each start given the worker and `shutdown`: on a tokio
+/// task of its own, started again after a panic (logged and counted) rather than gone for good.
+fn keep<H: Handler>(
+    tasks: &TaskTracker,
+    inner: &Arc<Inner<H>>,
+    shutdown: &CancellationToken,
+    name: &'static str,
+    start: StartUpkeep<H>,
+) {
+    let (inner, stop) = (inner.clone(), shutdown.clone());
+    tasks.spawn(async move {
+        let again = stop.clone();
+        supervised(name, &stop, move || start(inner.clone(), again.clone())).await
+    });
+}
+
 /// A snapshot of a worker's counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -259,70 +278,58 @@ where
             "inbox worker started"
         );
         let tasks = TaskTracker::new();
-        // Each upkeep task on a task of its own, started again after a panic (logged and
-        // counted) rather than gone for good.
-        let keep = |name: &'static str, start: Box<dyn FnMut() -> Upkeep + Send>| {
-            let stop = shutdown.clone();
-            tasks.spawn(async move { supervised(name, &stop, start).await });
-        };
+        let keep = |name, task| keep(&tasks, &self.inner, &shutdown, name, task);
         if let Some(schedule) = self.inner.settings.cleanup {
-            let inbox = self.inner.inbox.clone();
-            let progress = (self.inner.jetstream.clone(), self.inner.consumer.clone());
-            let stop = shutdown.clone();
             keep(
                 "inbox cleanup",
-                Box::new(move || {
+                Box::new(move |inner, stop| {
+                    let progress = (inner.jetstream.clone(), inner.consumer.clone());
                     Box::pin(upkeep::clean_up(
-                        inbox.clone(),
+                        inner.inbox.clone(),
                         H::CONSUMER,
-                        progress.clone(),
+                        progress,
                         schedule,
-                        stop.clone(),
+                        stop,
                     ))
                 }),
             );
         }
         if let Some(partitions) = self.inner.inbox.partitions() {
-            let (inbox, stop) = (self.inner.inbox.clone(), shutdown.clone());
             keep(
                 "inbox partitions",
-                Box::new(move || {
+                Box::new(move |inner, stop| {
                     Box::pin(upkeep::add_partitions(
-                        inbox.clone(),
+                        inner.inbox.clone(),
                         partitions,
-                        stop.clone(),
+                        stop,
                     ))
                 }),
             );
         }
-        let (inner, stop) = (self.inner.clone(), shutdown.clone());
         keep(
             "parked letters",
-            Box::new(move || Box::pin(upkeep::relay_parked_letters(inner.clone(), stop.clone()))),
+            Box::new(|inner, stop| Box::pin(upkeep::relay_parked_letters(inner, stop))),
         );
-        let (inner, stop) = (self.inner.clone(), shutdown.clone());
         keep(
             "circuit probe",
-            Box::new(move || {
-                let (inner, stop) = (inner.clone(), stop.clone());
+            Box::new(|inner, stop| {
                 Box::pin(async move {
                     circuit::probe_while_open(&inner.circuit, &inner.inbox, &stop).await
                 })
             }),
         );
         if self.inner.settings.pause_on_server {
-            let (inner, stop) = (self.inner.clone(), shutdown.clone());
             keep(
                 "circuit mirror",
-                Box::new(move || {
-                    let (inner, stop) = (inner.clone(), stop.clone());
+                Box::new(|inner, stop| {
                     Box::pin(async move {
                         let info = inner.consumer.cached_info();
+                        let (stream, consumer) = (&info.stream_name, &info.name);
                         circuit::mirror_on_server(
                             &inner.circuit,
                             &inner.jetstream,
-                            &info.stream_name,
-                            &info.name,
+                            stream,
+                            consumer,
                             &stop,
                         )
                         .await
@@ -332,33 +339,22 @@ where
         }
         if let Some(advisories) = self.inner.settings.backstop.clone() {
             backstop::ready(&self.inner, &advisories, &shutdown).await;
-            let (inner, stop) = (self.inner.clone(), shutdown.clone());
             keep(
                 "delivery-limit backstop",
-                Box::new(move || {
-                    Box::pin(backstop::run(
-                        inner.clone(),
-                        advisories.clone(),
-                        stop.clone(),
-                    ))
+                Box::new(move |inner, stop| {
+                    Box::pin(backstop::run(inner, advisories.clone(), stop))
                 }),
             );
         }
-        let (inner, stop) = (self.inner.clone(), shutdown.clone());
         keep(
             "max_deliver refresh",
-            Box::new(move || Box::pin(upkeep::refresh_max_deliver(inner.clone(), stop.clone()))),
+            Box::new(|inner, stop| Box::pin(upkeep::refresh_max_deliver(inner, stop))),
         );
         if let Some(sweep) = self.inner.settings.sweep {
-            let (inner, stop) = (self.inner.clone(), shutdown.clone());
             keep(
                 "open claims sweep",
-                Box::new(move || {
-                    Box::pin(upkeep::sweep_open_claims(
-                        inner.clone(),
-                        sweep,
-                        stop.clone(),
-                    ))
+                Box::new(move |inner, stop| {
+                    Box::pin(upkeep::sweep_open_claims(inner, sweep, stop))
                 }),
             );
         }
