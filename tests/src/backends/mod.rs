@@ -190,6 +190,14 @@ pub trait TestBackend: Send + Sync + 'static {
     fn balances(db: &TestDb<Self::Db>) -> impl Future<Output = BTreeMap<i64, i64>> + Send;
 }
 
+/// Asserts that the `ledger` of `db` holds `n` rows, one per message key: every message applied,
+/// none twice.
+pub async fn assert_applied_once<B: TestBackend>(db: &TestDb<B::Db>, n: i64) {
+    let rows = B::count(db, "SELECT count(*) FROM ledger").await;
+    let keys = B::count(db, "SELECT count(DISTINCT msg_key) FROM ledger").await;
+    assert_eq!((rows, keys), (n, n), "ledger rows and distinct keys");
+}
+
 /// A pool of `max` connections with `options`, without a test query on every acquire.
 async fn pool<DB: sqlx::Database>(
     url: &str,
