@@ -7,6 +7,7 @@ use std::any::Any;
 use std::future::Future;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 /// Runs `start()` on a task of its own until it returns, and returns what it returned. A panic
 /// is logged (naming `task`) and counted (`inbox_task_panics_total`), and `start()` runs again
@@ -26,8 +27,8 @@ where
     loop {
         // Aborted if this future is dropped (an App's run dropped by its caller): the task
         // never outlives what supervises it.
-        let mut running = AbortOnDrop(tokio::spawn(start()));
-        match (&mut running.0).await {
+        let running = AbortOnDropHandle::new(tokio::spawn(start()));
+        match running.await {
             Ok(done) => return Some(done),
             Err(e) if e.is_panic() => {
                 let why = panic_text(&*e.into_panic());
@@ -56,13 +57,4 @@ pub(crate) fn panic_text(panic: &(dyn Any + Send)) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| panic.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "a panic without a message".to_owned())
-}
-
-/// A task aborted when its handle is dropped.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
-
-impl<T> Drop for AbortOnDrop<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
 }

@@ -1,6 +1,7 @@
 //! What an outbox message is, and what NATS would refuse of it before it is written.
 
 use serde::Serialize;
+use std::str::FromStr;
 
 /// The longest message id and order key the outbox stores.
 pub const MAX_ID_LEN: usize = 255;
@@ -120,15 +121,15 @@ impl OutboxMessage {
     }
 }
 
-/// Whether async-nats takes `name` as a header name (its own rule: printable ASCII but ':'),
-/// without the panic its infallible conversions end in. Empty names are refused too.
+/// Whether async-nats takes `name` as a header name (its own fallible parse, not the assert its
+/// infallible conversions end in). Empty names are refused too: the wire has no place for one.
 pub(crate) fn header_name_ok(name: &str) -> bool {
-    !name.is_empty() && name.chars().all(|c| c.is_ascii_graphic() && c != ':')
+    !name.is_empty() && async_nats::HeaderName::from_str(name).is_ok()
 }
 
-/// Whether async-nats takes `value` as a header value (no line break), without a panic.
+/// Whether async-nats takes `value` as a header value (its own fallible parse).
 pub(crate) fn header_value_ok(value: &str) -> bool {
-    !value.contains(['\r', '\n'])
+    async_nats::HeaderValue::from_str(value).is_ok()
 }
 
 /// Why NATS would refuse `subject` as a publish subject.

@@ -15,7 +15,7 @@
 //! Then the cleanup of sent rows, under the fleet lock.
 
 use super::error::RelayError;
-use super::message::{header_name_ok, header_value_ok};
+use super::message::header_value_ok;
 use super::relay::Relay;
 use super::statements::OutboxStatements;
 use super::streams::Checks;
@@ -332,22 +332,21 @@ async fn publish_one(
     })?;
     let mut map = HeaderMap::new();
     for (name, value) in pairs {
-        if !header_name_ok(&name) {
+        let parsed = match name.is_empty() {
+            true => None,
+            false => HeaderName::from_str(&name).ok(),
+        };
+        let Some(parsed) = parsed else {
             return Err(Refusal::ForGood(format!(
                 "header name {name:?} is not valid in NATS (empty, or not printable ASCII, or with ':')"
             )));
-        }
+        };
         let Ok(value) = HeaderValue::from_str(&value) else {
             return Err(Refusal::ForGood(format!(
                 "header {name:?} has a line break in its value"
             )));
         };
-        let Ok(name) = HeaderName::from_str(&name) else {
-            return Err(Refusal::ForGood(format!(
-                "header name {name:?} is not valid in NATS"
-            )));
-        };
-        map.append(name, value);
+        map.append(parsed, value);
     }
     if !header_value_ok(msg_id) {
         return Err(Refusal::ForGood(format!(
