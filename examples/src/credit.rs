@@ -122,7 +122,10 @@ impl LastDeliveryHold {
 /// test-only [`LastDeliveryHold`].)
 ///
 /// A credit that would take a balance below zero violates the `accounts` CHECK constraint: a
-/// genuine error that rolls back the marker (and the announcement) too, never a duplicate.
+/// genuine error that rolls back the marker (and the announcement) too, never a duplicate. The
+/// row an upsert proposes is checked before its conflict is (on every backend), so an existing
+/// account is proposed with 0 and the amount added on conflict: a debit the balance covers is
+/// applied, one it does not cover (or on an account never credited) is refused.
 #[idempotent(consumer = "credit", key = msg.id, lane = msg.account)]
 pub async fn credit_postgres(
     msg: CreditRequested,
@@ -132,8 +135,9 @@ pub async fn credit_postgres(
 ) -> Result<(), sqlx::Error> {
     state.last_delivery_hold.on(delivery).await;
     sqlx::query(
-        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
-         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        "INSERT INTO accounts (id, balance) \
+         VALUES ($1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = $1) THEN 0 ELSE $2 END) \
+         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + $2",
     )
     .bind(msg.account)
     .bind(msg.amount)
@@ -152,8 +156,10 @@ pub async fn credit_mysql(
 ) -> Result<(), sqlx::Error> {
     state.last_delivery_hold.on(delivery).await;
     sqlx::query(
-        "INSERT INTO accounts (id, balance) VALUES (?, ?) \
-         ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)",
+        "INSERT INTO accounts (id, balance) \
+         SELECT a.id, IF(EXISTS (SELECT 1 FROM accounts WHERE id = a.id), 0, a.amount) \
+         FROM (SELECT ? AS id, ? AS amount) a \
+         ON DUPLICATE KEY UPDATE balance = balance + a.amount",
     )
     .bind(msg.account)
     .bind(msg.amount)
@@ -172,8 +178,9 @@ pub async fn credit_sqlite(
 ) -> Result<(), sqlx::Error> {
     state.last_delivery_hold.on(delivery).await;
     sqlx::query(
-        "INSERT INTO accounts (id, balance) VALUES (?1, ?2) \
-         ON CONFLICT (id) DO UPDATE SET balance = balance + excluded.balance",
+        "INSERT INTO accounts (id, balance) \
+         VALUES (?1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = ?1) THEN 0 ELSE ?2 END) \
+         ON CONFLICT (id) DO UPDATE SET balance = balance + ?2",
     )
     .bind(msg.account)
     .bind(msg.amount)

@@ -357,6 +357,7 @@ pub fn total(stats: &AppStats) -> Stats {
         all.terminated += s.terminated;
         all.open_claims += s.open_claims;
         all.held += s.held;
+        all.key_reuses += s.key_reuses;
         all
     })
 }

@@ -1,5 +1,5 @@
 //! Parsing of the attribute's arguments: `consumer = "name", key = <expr>`, `lane = <expr>`,
-//! `codec = <type>`, `claim`.
+//! `codec = <type>`, `claim`, `on_key_reuse = reject|skip`.
 
 use syn::parse::{Parse, ParseStream};
 use syn::{Expr, LitStr, Token};
@@ -10,12 +10,13 @@ mod kw {
     syn::custom_keyword!(claim);
     syn::custom_keyword!(codec);
     syn::custom_keyword!(lane);
+    syn::custom_keyword!(on_key_reuse);
 }
 
 /// The longest consumer name the inbox table's `consumer` column holds.
 pub const MAX_CONSUMER_LEN: usize = 200;
 
-const VALID: &str = "valid arguments are `consumer = \"...\"`, `key = <expression>`, `lane = <expression>` (what the handler locks, for batches), `codec = <type>` (default `Json`) and `claim` (two-phase)";
+const VALID: &str = "valid arguments are `consumer = \"...\"`, `key = <expression>`, `lane = <expression>` (what the handler locks, for batches), `codec = <type>` (default `Json`), `claim` (two-phase) and `on_key_reuse = reject` (default `skip`)";
 
 /// The arguments as written, each at most once.
 pub struct Args {
@@ -28,6 +29,9 @@ pub struct Args {
     pub claim: Option<proc_macro2::Span>,
     /// `codec = Raw`: how the payload decodes (default `::inbox_runtime::Json`).
     pub codec: Option<syn::Type>,
+    /// `on_key_reuse = reject`: a duplicate key with another payload is dead-lettered (the
+    /// span of `reject`); `skip`, the default, skips it (both count and log it).
+    pub reject_key_reuse: Option<proc_macro2::Span>,
     /// Mistakes in arguments that still parsed (unknown, repeated, a value where none goes):
     /// reported with the signature's, which is checked against what was meant.
     pub errors: Option<syn::Error>,
@@ -41,9 +45,11 @@ impl Parse for Args {
             lane: None,
             claim: None,
             codec: None,
+            reject_key_reuse: None,
             errors: None,
         };
         let mut errors: Option<syn::Error> = None;
+        let mut seen_key_reuse = false;
         let mut push = |e: syn::Error| match &mut errors {
             Some(all) => all.combine(e),
             None => errors = Some(e),
@@ -86,6 +92,25 @@ impl Parse for Args {
                 } else {
                     args.codec = Some(value);
                 }
+            } else if lookahead.peek(kw::on_key_reuse) {
+                let name = input.parse::<kw::on_key_reuse>()?;
+                input.parse::<Token![=]>()?;
+                let value: syn::Ident = input.parse()?;
+                match value.to_string().as_str() {
+                    _ if seen_key_reuse => push(syn::Error::new(
+                        name.span,
+                        "`on_key_reuse` set multiple times",
+                    )),
+                    "reject" => args.reject_key_reuse = Some(value.span()),
+                    "skip" => {}
+                    other => push(syn::Error::new(
+                        value.span(),
+                        format!(
+                            "`on_key_reuse = {other}`: write `reject` (dead-letter a key reused with another payload) or `skip` (the default)"
+                        ),
+                    )),
+                }
+                seen_key_reuse = true;
             } else if lookahead.peek(kw::claim) {
                 let name = input.parse::<kw::claim>()?;
                 if input.peek(Token![=]) || input.peek(syn::token::Paren) {

@@ -162,13 +162,13 @@ pub fn expand(h: &Handler) -> TokenStream {
                 }
             }
         });
-        handler_impl(
-            name,
-            &types,
-            key_body,
-            handle_body,
-            lane.unwrap_or_default(),
-        )
+        let reject = h.reject_key_reuse.then(|| {
+            quote!(
+                const REJECT_KEY_REUSE: bool = true;
+            )
+        });
+        let extra = quote!(#lane #reject);
+        handler_impl(name, &types, key_body, handle_body, extra)
     };
     quote! {
         #unit

@@ -35,6 +35,8 @@ pub struct Handler {
     pub arity: usize,
     /// Two-phase (`claim`): `tx` is then the `&mut Claim<DB>` argument.
     pub claim: bool,
+    /// `on_key_reuse = reject`.
+    pub reject_key_reuse: bool,
 }
 
 /// A handler with mistakes: every error found, and what is known regardless, so that the fallback
@@ -91,11 +93,19 @@ const TX_HINT: &str = "add a transaction argument such as `tx: &mut Tx<Postgres>
 pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<Invalid>> {
     let mut errors = Errors::default();
     let sig = &func.sig;
+    let mut reject_key_reuse = false;
     let (consumer, key, lane, claim, codec) = match args {
         Ok(args) => {
             if let Some(e) = args.errors {
                 errors.add(e);
             }
+            if let (Some(reject), Some(_)) = (args.reject_key_reuse, args.claim) {
+                errors.push(
+                    reject,
+                    "`on_key_reuse` is checked against the payload a marker keeps, and a two-phase claim (`claim`) keeps none: remove `on_key_reuse`",
+                );
+            }
+            reject_key_reuse = args.reject_key_reuse.is_some();
             if let (Some(lane), Some(_)) = (&args.lane, args.claim) {
                 errors.push(
                     lane.span(),
@@ -290,6 +300,7 @@ pub fn validate(args: syn::Result<Args>, func: ItemFn) -> Result<Handler, Box<In
         ret: ret.expect("checked above"),
         func,
         claim: claim.is_some(),
+        reject_key_reuse,
     })
 }
 

@@ -65,7 +65,8 @@ pub fn classify<DB: InboxBackend>(err: &ProcessError) -> ErrorClass {
         ProcessError::Decode { .. }
         | ProcessError::Key(_)
         | ProcessError::Panicked(_)
-        | ProcessError::TwoPhaseInTransaction(_) => ErrorClass::Permanent,
+        | ProcessError::TwoPhaseInTransaction(_)
+        | ProcessError::KeyReused { .. } => ErrorClass::Permanent,
         // Another owner holds the key, or took it over: redelivered later (the verdict waits out
         // a held lease), never tried again at once.
         ProcessError::ClaimHeld { .. } | ProcessError::FencedOut { .. } => ErrorClass::Unknown,

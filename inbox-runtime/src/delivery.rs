@@ -2,6 +2,7 @@
 //! stream sequence, delivery count, publish time), and how the payload is decoded: [`Codec`].
 
 use crate::error::BoxError;
+use crate::replay::{payload_hash, replay_of};
 use async_nats::HeaderMap;
 use async_nats::jetstream::message::{Info, Message};
 use bytes::Bytes;
@@ -33,6 +34,11 @@ pub struct Delivery {
     pub(crate) published: Option<SystemTime>,
     /// The producer's `Nats-Msg-Id`, unless absent or empty.
     pub(crate) msg_id: Option<String>,
+    /// A replayed dead letter's consumer and key ([`REPLAY_CONSUMER`](crate::REPLAY_CONSUMER), [`REPLAY_KEY`](crate::REPLAY_KEY)).
+    pub(crate) replay: Option<(String, String)>,
+    /// A hash of the payload (JetStream deliveries): what the marker keeps, to tell a key
+    /// reused with another payload.
+    pub(crate) payload_hash: Option<String>,
 }
 
 impl Default for Delivery {
@@ -54,6 +60,8 @@ impl Delivery {
             delivered: 1,
             published: None,
             msg_id: None,
+            replay: None,
+            payload_hash: None,
         }
     }
 
@@ -69,6 +77,7 @@ impl Delivery {
             .get_or_insert_with(HeaderMap::new)
             .insert(name, value);
         self.msg_id = msg_id_of(self.headers.as_ref());
+        self.replay = replay_of(self.headers.as_ref());
         self
     }
 
@@ -82,6 +91,13 @@ impl Delivery {
     /// With the delivery count (1 for a first delivery).
     pub fn with_delivered(mut self, delivered: i64) -> Self {
         self.delivered = delivered;
+        self
+    }
+
+    /// With `payload`'s hash, as a JetStream delivery of it has: a duplicate of its key with
+    /// another payload is then told apart (key reuse).
+    pub fn with_payload(mut self, payload: &[u8]) -> Self {
+        self.payload_hash = Some(payload_hash(payload));
         self
     }
 
@@ -102,6 +118,8 @@ impl Delivery {
             delivered: info.delivered,
             published: Some(SystemTime::from(info.published)),
             msg_id: msg_id_of(message.headers.as_ref()),
+            replay: replay_of(message.headers.as_ref()),
+            payload_hash: Some(payload_hash(&message.payload)),
         }
     }
 
@@ -118,12 +136,14 @@ impl Delivery {
         Delivery {
             subject: message.subject.clone(),
             msg_id: msg_id_of(headers.as_ref()),
+            replay: replay_of(headers.as_ref()),
             headers,
             stream: stream.to_owned(),
             stream_seq: message.sequence,
             consumer_seq: 0,
             delivered,
             published: Some(message.published),
+            payload_hash: Some(payload_hash(&message.payload)),
         }
     }
 
@@ -159,6 +179,12 @@ impl Delivery {
     /// The producer's `Nats-Msg-Id`, unless absent or empty.
     pub fn msg_id(&self) -> Option<&str> {
         self.msg_id.as_deref()
+    }
+
+    /// Whether this is a replayed dead letter addressed to another consumer than `consumer`
+    /// ([`REPLAY_CONSUMER`](crate::REPLAY_CONSUMER)): not this consumer's to process again.
+    pub(crate) fn replay_not_for(&self, consumer: &str) -> bool {
+        self.replay.as_ref().is_some_and(|(c, _)| c != consumer)
     }
 
     /// The stream the message is stored in (empty outside JetStream).
@@ -247,11 +273,14 @@ impl<'a> TraceParent<'a> {
 
 /// `Nats-Msg-Id`, unless absent or empty: some producers send the header empty, which is no id.
 fn msg_id_of(headers: Option<&HeaderMap>) -> Option<String> {
-    headers
-        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-        .map(|v| v.as_str())
-        .filter(|id| !id.is_empty())
-        .map(str::to_owned)
+    let value = |name: &str| {
+        headers
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str())
+            .filter(|id| !id.is_empty())
+            .map(str::to_owned)
+    };
+    value(async_nats::header::NATS_MESSAGE_ID.as_ref())
 }
 
 /// How a handler's payload becomes its message type `M`: [`Json`] by default, [`Raw`] for the
@@ -416,6 +445,7 @@ mod tests {
         assert!(<Raw as Codec<String>>::decode(&Bytes::from_static(b"\xff")).is_err());
     }
 
+    #[cfg(any(feature = "msgpack", feature = "cbor"))]
     #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
     struct Order {
         id: u64,

@@ -103,6 +103,20 @@ pub enum ProcessError {
         "handler for consumer {0:?} is two-phase (`claim`): it runs through Inbox::process or a worker, not in a caller's transaction"
     )]
     TwoPhaseInTransaction(&'static str),
+    /// The key was processed before with another payload (the marker keeps a hash of each
+    /// key's first payload), and the handler rejects key reuse (`on_key_reuse = reject`).
+    /// Permanent.
+    #[error(
+        "key reused with another payload: key {key:?} was processed with payload hash {original}, this one's is {this}"
+    )]
+    KeyReused {
+        /// The key.
+        key: String,
+        /// The hash of the payload the key was first processed with.
+        original: String,
+        /// This payload's hash.
+        this: String,
+    },
 }
 
 /// `err` and every error below it, following [`source`](std::error::Error::source): where a

@@ -105,6 +105,12 @@ pub trait Handler: Send + Sync + 'static {
     /// (the default): [`Handler::handle`] runs in the marker's transaction.
     const TWO_PHASE: bool = false;
 
+    /// Whether a duplicate of a key with another payload than the key's first is rejected
+    /// (dead-lettered as [`ProcessError::KeyReused`](crate::ProcessError::KeyReused)) rather
+    /// than skipped: `#[idempotent(.., on_key_reuse = reject)]`. Either way it is counted
+    /// (`inbox_key_reuse_total`) and logged with both payload hashes.
+    const REJECT_KEY_REUSE: bool = false;
+
     /// Applies the message's effect inside `tx`. Never commits or rolls back `tx` itself. Not
     /// called for a two-phase handler.
     fn handle<'a, 'c>(

@@ -24,6 +24,7 @@ mod layout;
 pub mod metrics;
 mod outbox;
 mod periodic;
+mod replay;
 mod store;
 mod stored;
 mod supervise;
@@ -57,6 +58,7 @@ pub use outbox::{
     DEFAULT_RETENTION as DEFAULT_OUTBOX_RETENTION, InvalidMessage, Outbox, OutboxMessage, Relay,
     RelayError, RelayStats,
 };
+pub use replay::{REPLAY_CONSUMER, REPLAY_KEY};
 pub use store::{CleanupError, Inbox, RetentionFloor, retention_floor};
 
 /// The `sqlx` this crate is built with: name its types (`inbox_runtime::sqlx::PgPool`) without

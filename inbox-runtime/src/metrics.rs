@@ -267,3 +267,15 @@ pub(crate) fn task_panicked(task: &'static str) {
     );
     metrics::counter!(TASK_PANICS, "task" => task).increment(1);
 }
+
+/// Duplicates with another payload than their key's first.
+const KEY_REUSE: &str = "inbox_key_reuse_total";
+
+/// `consumer` found a key reused with another payload.
+pub(crate) fn key_reused(consumer: &'static str) {
+    metrics::describe_counter!(
+        KEY_REUSE,
+        "Duplicates whose payload differs from the one their key was first processed with."
+    );
+    metrics::counter!(KEY_REUSE, "consumer" => consumer).increment(1);
+}

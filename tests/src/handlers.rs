@@ -311,6 +311,16 @@ macro_rules! backend_handlers {
             append_probed(&msg, tx, probe).await
         }
 
+        /// [`ledger`], rejecting a key reused with another payload.
+        #[idempotent(consumer = "ledger_strict", key = msg.key, on_key_reuse = reject)]
+        pub async fn ledger_strict(
+            msg: Entry,
+            tx: &mut Tx<$db>,
+            probe: &Probe,
+        ) -> Result<(), LedgerError> {
+            append_probed(&msg, tx, probe).await
+        }
+
         /// Appends a ledger row; keyed by the transport id.
         #[idempotent(consumer = "ledger_by_transport_id")]
         pub async fn ledger_by_transport_id(

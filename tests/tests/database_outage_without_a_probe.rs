@@ -9,6 +9,10 @@
 //!   server (nats-server 2.11+), so every other instance stopped too. Now only its own pulls
 //!   stop (a server-side pause is opt-in, `WorkerBuilder::pause_on_server`), and the other
 //!   instance serves everything published meanwhile;
+//! - a circuit open with no delivery left to retry (every held try ended otherwise: a deadline,
+//!   a panic, a failed stream lookup): only a held message's retry could close it, so the worker
+//!   stayed paused for ever. Its own probe now asks the database while it is open, and closes
+//!   it once the database answers;
 //! - a deadline not longer than the pool's acquire timeout is refused when the worker is built.
 
 use inbox_runtime::{Inbox, WorkerError};
@@ -151,6 +155,54 @@ async fn one_instance_cut_off_does_not_stop_the_others<B: TestBackend>() {
     inbox_tests::backends::assert_applied_once::<B>(&db, MESSAGES + 1).await;
 }
 
+async fn open_circuit_without_messages_closes_when_the_database_answers<B: TestBackend>() {
+    let db = B::create(2).await;
+    Inbox::new(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let mut proxy = TcpProxy::reserve().unwrap();
+    let pool = pool_through::<B>(&db, &mut proxy, 2).await;
+    let worker = nats
+        .worker(B::inbox(pool), consumer)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    proxy.cut();
+    // Open, and nothing held: no delivery's retry will ever ask the database.
+    worker.trip_circuit();
+    nats.publish_all([Entry::new("meanwhile", 1, 1).json()])
+        .await;
+    // While the database is cut off, the probe finds it so: the circuit stays open and nothing
+    // is pulled (watched over several of the probe's tries).
+    let period = Duration::from_secs(3);
+    let mut poll = inbox_testkit::Poll::new("the cut to last", period * 10);
+    while poll.elapsed() < period {
+        assert!(
+            worker.database_unreachable(),
+            "the circuit closed while the database was cut off"
+        );
+        assert_eq!(
+            nats.info("c").await.delivered.stream_sequence,
+            0,
+            "pulled while open"
+        );
+        let _ = poll.tick().await;
+    }
+    let (upstream, _) = inbox_tests::through_proxy(&db.url, proxy.port);
+    proxy.start(&upstream).await.unwrap();
+    wait_until(
+        "the probe to close the circuit",
+        Duration::from_secs(30),
+        async || !worker.database_unreachable(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: the worker stays paused with no message to retry"));
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!((stats.acked, stats.terminated), (1, 0), "{stats:?}");
+    inbox_tests::backends::assert_applied_once::<B>(&db, 1).await;
+}
+
 async fn deadline_not_above_the_acquire_timeout_is_refused<B: TestBackend>() {
     let db = B::create(2).await;
     let nats = NatsStream::create().await;
@@ -173,5 +225,6 @@ async fn deadline_not_above_the_acquire_timeout_is_refused<B: TestBackend>() {
 inbox_tests::on_server_backends!(
     silent_database_dead_letters_nothing,
     one_instance_cut_off_does_not_stop_the_others,
+    open_circuit_without_messages_closes_when_the_database_answers,
     deadline_not_above_the_acquire_timeout_is_refused,
 );

@@ -3,20 +3,21 @@
 //! running on the server: its connection and the locks it held stayed taken until the lock
 //! timeout, the pool drained, and the pool timeouts that followed tripped the circuit. Every
 //! statement of a message's transaction is now bounded by the deadline (PostgreSQL's
-//! `statement_timeout`), so the server ends it with the try.
+//! `statement_timeout`, MariaDB's `max_statement_time`), so the server ends it with the try.
 //!
-//! PostgreSQL only: MySQL has no bound for every statement (`max_execution_time` bounds SELECTs;
-//! a lock wait is bounded by the inbox's lock timeout), and SQLite runs in process.
+//! On the server backends (the machine's MySQL flavour is MariaDB; MySQL itself has no bound
+//! for every statement: `max_execution_time` bounds SELECTs, and a lock wait is bounded by the
+//! inbox's lock timeout). SQLite runs in process. Also on MariaDB: the bound a message's
+//! transaction leaves on its connection does not cut a later wait for the fleet's migration
+//! lock.
 
 use inbox_testkit::wait_until;
-use inbox_tests::backends::{Postgres, TestBackend};
+use inbox_tests::backends::TestBackend;
 use inbox_tests::handlers::{Entry, Probe};
 use inbox_tests::{NatsStream, Running};
 use std::time::Duration;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_statement_ends_with_its_try() {
-    type B = Postgres;
+async fn a_statement_ends_with_its_try<B: TestBackend>() {
     let db = B::create(4).await;
     B::inbox(db.pool.clone()).migrate().await.unwrap();
     let nats = NatsStream::create().await;
@@ -37,7 +38,7 @@ async fn a_statement_ends_with_its_try() {
         .deadline(Duration::from_secs(2))
         // No second try while the test looks.
         .nak_delay(Duration::from_secs(120), Duration::from_secs(120))
-        .build_with_state(<B as TestBackend>::Ledger::default(), Probe::open())
+        .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
     let run = Running::start(&worker);
     wait_until("the claim to wait", Duration::from_secs(20), async || {
@@ -61,4 +62,49 @@ async fn a_statement_ends_with_its_try() {
     frozen.rollback().await.expect("ROLLBACK");
     let stats = run.stop().await;
     assert_eq!(stats.acked, 0, "{stats:?}");
+
+    // A connection that served a message (the only one of its pool) then waits for the
+    // migration lock longer than the deadline: a session-wide bound left on it (MariaDB's is
+    // the session's) would cut the wait.
+    let pool = B::connect_acquiring(&db.url, 1, Duration::from_millis(500)).await;
+    let worker = nats
+        .worker(
+            B::inbox(pool.clone()),
+            nats.consumer("d", Duration::from_secs(30)).await,
+        )
+        .deadline(Duration::from_secs(2))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.wait_drained("d").await;
+    assert_eq!(run.stop().await.acked, 1);
+    let lock = "migrate:inbox";
+    let holder = B::hold_cleanup_lock(&db, lock)
+        .await
+        .expect("a server backend has a migration lock");
+    let waiting = B::inbox(pool).migration_lock_wait(Duration::from_secs(120));
+    let migrate = tokio::spawn(async move { waiting.migrate().await });
+    wait_until(
+        "the migration to wait for the lock",
+        Duration::from_secs(30),
+        async || B::waiting_for_fleet_lock(&db).await > 0,
+    )
+    .await
+    .unwrap();
+    let mut poll = inbox_testkit::Poll::new("twice the deadline", Duration::from_secs(60));
+    while poll.elapsed() < Duration::from_secs(4) {
+        assert!(
+            !migrate.is_finished(),
+            "the wait for the migration lock ended early: {:?}",
+            migrate.await
+        );
+        let _ = poll.tick().await;
+    }
+    B::release_cleanup_lock(holder, lock).await;
+    migrate
+        .await
+        .unwrap()
+        .expect("the migration after the lock was released");
 }
+
+inbox_tests::on_server_backends!(a_statement_ends_with_its_try);

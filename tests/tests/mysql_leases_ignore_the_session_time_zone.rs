@@ -27,6 +27,9 @@ const LEASE: Duration = Duration::from_secs(30);
 
 /// Loads the rules of [`ZONE`] into the server unless it has them.
 async fn ensure_zone(admin: &MySqlPool) {
+    // The tests of this file run at once: one loads the rules, the others wait and find them.
+    static LOADING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _loading = LOADING.lock().await;
     let known: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM mysql.time_zone_name WHERE Name = ?")
         .bind(ZONE)
         .fetch_one(admin)
@@ -42,7 +45,8 @@ async fn ensure_zone(admin: &MySqlPool) {
         .unwrap_or_else(|e| panic!("mysql_tzinfo_to_sql (MariaDB's client tools): {e}"));
     assert!(out.status.success(), "mysql_tzinfo_to_sql {file}: {out:?}");
     let script = String::from_utf8(out.stdout).expect("SQL text");
-    let mut conn = admin.acquire().await.expect("a connection");
+    // A connection of its own, closed after: `USE mysql` must not go back to the pool.
+    let mut conn = admin.acquire().await.expect("a connection").detach();
     conn.execute(sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "USE mysql; {script}"
     ))))

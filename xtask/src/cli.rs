@@ -20,6 +20,14 @@ pub struct Cli {
     pub task: Task,
 }
 
+/// `cargo xtask demo` options.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Only this part.
+    #[arg(long, value_enum)]
+    pub only: Option<crate::demo::Only>,
+}
+
 /// One task.
 #[derive(Debug, Subcommand)]
 pub enum Task {
@@ -31,7 +39,9 @@ pub enum Task {
     /// idempotency key; then orders and stock adjustments (keyed on a header) through two
     /// `orders` processes (two handlers on one App each), their /metrics sampled. SQLite under
     /// target/ unless DATABASE_URL is set, and a private nats-server if none answers at NATS_URL.
-    Demo,
+    /// Last, debits dead-lettered are replayed with the `inbox` command once their cause is
+    /// fixed. `--only PART` runs one part (`chain` runs `credit` first, whose outbox it reads).
+    Demo(DemoArgs),
     /// What CI runs (no options), or the tests the options select.
     ///
     /// With no options: make sure NATS, PostgreSQL and MariaDB answer (starting

@@ -27,7 +27,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.task {
-        cli::Task::Demo => runtime.block_on(demo::run()),
+        cli::Task::Demo(args) => runtime.block_on(demo::run(args.only)),
         cli::Task::Bench(args) if args.inbox_scale => {
             runtime.block_on(inbox_scale::run(args.into()))
         }

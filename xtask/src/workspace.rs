@@ -55,3 +55,23 @@ pub fn build_example(bin: &str, release: bool) -> Result<PathBuf, String> {
     let profile = if release { "release" } else { "debug" };
     Ok(root().join("target").join(profile).join(bin))
 }
+
+/// The demo's binaries (every example and the `inbox` command, release), built by one cargo
+/// command, the same each time, so that later calls find everything built (a narrower command
+/// would unify features otherwise, and build again); returns the path of `bin`.
+pub fn build_demo(bin: &str) -> Result<PathBuf, String> {
+    cargo_step(
+        "building the demo",
+        &[
+            "build",
+            "--quiet",
+            "--release",
+            "-p",
+            "inbox-examples",
+            "--bins",
+            "-p",
+            "inbox-cli",
+        ],
+    )?;
+    Ok(root().join("target").join("release").join(bin))
+}

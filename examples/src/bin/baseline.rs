@@ -79,8 +79,10 @@ const POSTGRES: Sql = Sql {
     begin: "BEGIN",
     claim: "INSERT INTO inbox (consumer, message_key, processed_at) VALUES ($1, $2, now()) \
             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id",
-    upsert: "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+    // As `credit` writes it (see `credit_postgres`).
+    upsert: "INSERT INTO accounts (id, balance) \
+             VALUES ($1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = $1) THEN 0 ELSE $2 END) \
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + $2",
     outbox_insert: "INSERT INTO outbox (msg_id, subject, order_key, headers, payload) \
                     VALUES ($1, $2, $3, $4, $5)",
     outbox_fetch: "SELECT id, msg_id, subject, payload FROM outbox WHERE sent_at IS NULL \
@@ -99,8 +101,10 @@ const MYSQL: Sql = Sql {
     begin: "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION",
     claim: "INSERT INTO inbox (consumer, message_key, processed_at) VALUES (?, ?, NOW(6)) \
             ON DUPLICATE KEY UPDATE dup_count = dup_count + 1",
-    upsert: "INSERT INTO accounts (id, balance) VALUES (?, ?) \
-             ON DUPLICATE KEY UPDATE balance = balance + VALUES(balance)",
+    upsert: "INSERT INTO accounts (id, balance) \
+             SELECT a.id, IF(EXISTS (SELECT 1 FROM accounts WHERE id = a.id), 0, a.amount) \
+             FROM (SELECT ? AS id, ? AS amount) a \
+             ON DUPLICATE KEY UPDATE balance = balance + a.amount",
     outbox_insert: "INSERT INTO outbox (msg_id, subject, order_key, headers, payload) \
                     VALUES (?, ?, ?, ?, ?)",
     outbox_fetch: "SELECT id, msg_id, subject, payload FROM outbox WHERE sent_at IS NULL \
@@ -120,8 +124,9 @@ const SQLITE: Sql = Sql {
     claim: "INSERT INTO inbox (consumer, message_key, processed_at) \
             VALUES (?1, ?2, strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) \
             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id",
-    upsert: "INSERT INTO accounts (id, balance) VALUES (?1, ?2) \
-             ON CONFLICT (id) DO UPDATE SET balance = balance + excluded.balance",
+    upsert: "INSERT INTO accounts (id, balance) \
+             VALUES (?1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = ?1) THEN 0 ELSE ?2 END) \
+             ON CONFLICT (id) DO UPDATE SET balance = balance + ?2",
     outbox_insert: "INSERT INTO outbox (msg_id, subject, order_key, headers, payload) \
                     VALUES (?1, ?2, ?3, ?4, ?5)",
     // BEGIN IMMEDIATE holds the database's one writer already.

@@ -130,8 +130,8 @@ pub trait Backend: sqlx::Database + Generic {
     /// What a message's BEGIN adds so that no statement of its transaction runs longer than
     /// `timeout` (the worker's deadline): a try dropped at its deadline must not leave its
     /// statement running, holding its locks and its connection. `None` where the dialect has no
-    /// such bound for every statement (MySQL's `max_execution_time` bounds SELECTs only; SQLite
-    /// runs in process).
+    /// such bound for every statement (SQLite runs in process; MySQL's `max_execution_time`
+    /// bounds SELECTs only, so its statement bounds MariaDB alone).
     fn statement_timeout_sql(_timeout: Duration) -> Option<String> {
         None
     }

@@ -55,6 +55,23 @@ pub trait Generic: sqlx::Database {
         key: &'a str,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
+    /// Runs `sql` binding (`hash`, `id`): finishes a marker, keeping its payload's hash.
+    fn execute_finish<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        id: i64,
+        hash: Option<&'a str>,
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` with (consumer, key) and returns the payload hash the key's marker keeps:
+    /// `None` without a marker, `Some(None)` for one that keeps none.
+    fn fetch_hash<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> impl Future<Output = Result<Option<Option<String>>, sqlx::Error>> + Send + 'a;
+
     /// Runs `sql` binding `id`.
     fn execute_id<'a>(
         conn: &'a mut Self::Connection,
@@ -179,6 +196,8 @@ where
     for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
     DB::Connection: sqlx::migrate::Migrate,
     for<'q> &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> Option<&'q str>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> Option<String>: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
     for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Decode<'q, DB> + sqlx::Type<DB>,
     for<'q> String: sqlx::Decode<'q, DB> + sqlx::Type<DB>,
     for<'q> f64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
@@ -265,6 +284,32 @@ where
         id: i64,
     ) -> Result<DB::QueryResult, sqlx::Error> {
         sqlx::query::<DB>(sql).bind(id).execute(conn).await
+    }
+
+    async fn execute_finish<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        id: i64,
+        hash: Option<&'a str>,
+    ) -> Result<DB::QueryResult, sqlx::Error> {
+        sqlx::query::<DB>(sql)
+            .bind(hash)
+            .bind(id)
+            .execute(conn)
+            .await
+    }
+
+    async fn fetch_hash<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+    ) -> Result<Option<Option<String>>, sqlx::Error> {
+        sqlx::query_scalar::<DB, Option<String>>(sql)
+            .bind(consumer)
+            .bind(key)
+            .fetch_optional(conn)
+            .await
     }
 
     async fn delete_batch<'a>(

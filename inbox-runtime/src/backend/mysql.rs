@@ -108,7 +108,18 @@ impl Backend for MySql {
                 KEY {table}_dl_idx (consumer, id)
             ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
         );
-        vec![create, exact_keys, dead_letters]
+        // A hash of each key's first payload (`delivery::payload_hash`), to tell key reuse.
+        // Idempotent: MySQL has no ADD COLUMN IF NOT EXISTS.
+        let name = table.to_string();
+        let bare = name.rsplit('.').next().unwrap_or(&name);
+        let payload_hash = format!(
+            "SET @inbox_ddl = (SELECT IF(COUNT(*) = 0, \
+                'ALTER TABLE {table} ADD COLUMN payload_hash VARCHAR(32) NULL', 'DO 0') \
+                FROM information_schema.columns WHERE table_schema = DATABASE() \
+                AND table_name = '{bare}' AND column_name = 'payload_hash'); \
+             PREPARE inbox_ddl FROM @inbox_ddl; EXECUTE inbox_ddl; DEALLOCATE PREPARE inbox_ddl"
+        );
+        vec![create, exact_keys, dead_letters, payload_hash]
     }
 
     fn outbox_migration_sql(table: &TableName) -> Vec<String> {
@@ -159,6 +170,19 @@ impl Backend for MySql {
              SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
         ))
         .into_sql_str()
+    }
+
+    fn statement_timeout_sql(timeout: Duration) -> Option<String> {
+        // MariaDB's `max_statement_time` bounds every statement, lock waits included (seconds,
+        // fractions allowed). MySQL has no such bound (its `max_execution_time` bounds SELECTs
+        // only): the executable comment is MariaDB's alone, and the assignment before it, all
+        // MySQL runs, changes nothing. The setting is the session's: it stays on the connection
+        // (see `RESET_STATEMENT_TIME` for the statements that must not have it).
+        let secs = timeout.as_secs_f64().max(0.001);
+        Some(format!(
+            "SET SESSION innodb_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout \
+             /*M!100100 , max_statement_time = {secs:.3} */"
+        ))
     }
 
     fn downcast_database_error<'e>(
@@ -248,6 +272,11 @@ impl Backend for MySql {
         // database's name is part of it: inboxes of two databases on one server (two
         // applications, or two tests) must not take each other's lock. The wait is in seconds
         // (fractions allowed); never negative, which MariaDB takes for no wait at all.
+        // The lock's wait, and the migrations or cleanup that follow on this connection, must
+        // not be cut by a message's statement bound left on it (MariaDB).
+        sqlx::query(RESET_STATEMENT_TIME)
+            .execute(&mut *conn)
+            .await?;
         let got: Option<i64> =
             sqlx::query_scalar("SELECT GET_LOCK(SHA2(CONCAT(DATABASE(), ?), 256), ?)")
                 .bind(name)
@@ -268,6 +297,13 @@ impl Backend for MySql {
             .map(|_| ())
     }
 }
+
+/// Gives the session back the server's `max_statement_time` (MariaDB), which a message's
+/// transaction set to the worker's deadline ([`Backend::statement_timeout_sql`]); nothing on
+/// MySQL.
+const RESET_STATEMENT_TIME: &str = "SET SESSION innodb_lock_wait_timeout = \
+     @@SESSION.innodb_lock_wait_timeout \
+     /*M!100100 , max_statement_time = @@GLOBAL.max_statement_time */";
 
 #[cfg(test)]
 mod tests {

@@ -65,6 +65,7 @@ impl Backend for Postgres {
             ),
             dead_letters_migration(table),
             open_claims_migration(table),
+            payload_hash_migration(table),
         ]
     }
 
@@ -266,6 +267,11 @@ impl Backend for Postgres {
             .await
             .map(|_| ())
     }
+}
+
+/// A hash of each key's first payload (`delivery::payload_hash`), to tell key reuse.
+pub(super) fn payload_hash_migration(table: &TableName) -> String {
+    format!("ALTER TABLE {table} ADD COLUMN IF NOT EXISTS payload_hash VARCHAR(32)")
 }
 
 pub(super) fn dead_letters_migration(table: &TableName) -> String {

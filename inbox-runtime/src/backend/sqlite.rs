@@ -96,6 +96,9 @@ impl Backend for Sqlite {
             // Open two-phase claims, for the sweeper; one-transaction markers never enter it.
             "CREATE INDEX IF NOT EXISTS {table}_open_claims_idx ON {table} (consumer, id) \
              WHERE lease_until IS NOT NULL"
+        ), format!(
+            // A hash of each key's first payload (`delivery::payload_hash`), to tell key reuse.
+            "ALTER TABLE {table} ADD COLUMN payload_hash TEXT"
         )]
     }
 

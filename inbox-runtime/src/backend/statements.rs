@@ -11,8 +11,11 @@ use std::time::Duration;
 pub(crate) struct InboxStatements {
     /// Binds consumer and key; see `Backend::claim`.
     pub claim: SqlStr,
-    /// Binds the marker's id: sets `processed_at` as the effect commits.
+    /// Binds the payload's hash and the marker's id (in that order: MySQL's placeholders are
+    /// positional): sets `processed_at` (and the hash) as the effect commits.
     pub finish: SqlStr,
+    /// Binds consumer, key: the payload hash the key's marker keeps.
+    pub hash: SqlStr,
     /// See `Backend::cleanup_sql`.
     pub cleanup: SqlStr,
     /// Binds consumer, key: the id of the key's finished marker, if one is committed (after a
@@ -185,9 +188,15 @@ impl InboxStatements {
             claim: DB::claim_sql(table, layout),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(
-                "UPDATE {table} SET processed_at = {} WHERE id = {}",
+                "UPDATE {table} SET processed_at = {}, payload_hash = {} WHERE id = {}",
                 DB::NOW_SQL,
-                DB::param(1)
+                DB::param(1),
+                DB::param(2)
+            )),
+            hash: sql(format!(
+                "SELECT payload_hash FROM {table} WHERE consumer = {} AND message_key = {}",
+                DB::param(1),
+                DB::param(2)
             )),
             cleanup: DB::cleanup_sql(table),
             done: sql(format!(
@@ -219,11 +228,33 @@ pub(crate) fn claims_of(keys: &[&str], rows: Vec<KeyId>) -> Vec<Claimed> {
         .collect()
 }
 
-/// Sets `processed_at` on the markers `ids` of `table`: a batch's markers, in its transaction.
-/// The ids are the database's own integers, written into the statement (it runs unprepared,
-/// since its text changes with every batch).
-pub(crate) fn finish_many_sql<DB: InboxBackend>(table: &TableName, ids: &[i64]) -> SqlStr {
-    stamp_ids_sql::<DB>(table, "processed_at", ids)
+/// Sets `processed_at` on the markers `ids` of `table` (a batch's markers, in its transaction),
+/// with each one's payload hash where `hashes` has one. The ids are the database's own integers
+/// and the hashes hex digits, written into the statement (it runs unprepared, since its text
+/// changes with every batch).
+pub(crate) fn finish_many_sql<DB: InboxBackend>(
+    table: &TableName,
+    ids: &[i64],
+    hashes: &[Option<&str>],
+) -> SqlStr {
+    let whens: String = ids
+        .iter()
+        .zip(hashes)
+        .filter_map(|(id, hash)| {
+            let hash = hash.filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))?;
+            Some(format!(" WHEN {id} THEN '{hash}'"))
+        })
+        .collect();
+    if whens.is_empty() {
+        return stamp_ids_sql::<DB>(table, "processed_at", ids);
+    }
+    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+    sql(format!(
+        "UPDATE {table} SET processed_at = {}, payload_hash = CASE id{whens} ELSE payload_hash END \
+         WHERE id IN ({})",
+        DB::NOW_SQL,
+        ids.join(", ")
+    ))
 }
 
 /// Sets `column` to now on the rows `ids` of `table` (a batch's markers, the outbox rows a relay

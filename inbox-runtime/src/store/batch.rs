@@ -169,6 +169,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             .map_err(|_| Failed::Whole)?;
         let mut done = Vec::with_capacity(keys.len());
         let mut claimed = Vec::with_capacity(keys.len());
+        // The index of each claimed marker's message.
+        let mut claimed_at = Vec::with_capacity(keys.len());
         let claims = DB::claim_many(
             &mut tx,
             (self.table(), &self.layout()),
@@ -194,8 +196,25 @@ impl<DB: InboxBackend> Inbox<DB> {
                 ));
             }
         };
+        // The message of each key this batch claimed.
+        let first_of: std::collections::HashMap<&str, usize> = claims
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| matches!(c, Claimed::New(_)))
+            .map(|(i, _)| (keys[i], i))
+            .collect();
         for (i, (claim, decoded)) in claims.into_iter().zip(decoded).enumerate() {
             let Claimed::New(id) = claim else {
+                // A copy of a key this batch claims itself is compared with that message.
+                let earlier = first_of.get(keys[i]).map(|&j| deliveries[j]);
+                if self
+                    .batch_duplicate::<H>(&mut tx, keys[i], deliveries[i], earlier)
+                    .await
+                {
+                    // Rejected for key reuse: tried alone, where it is dead-lettered.
+                    let _ = tx.rollback().await;
+                    return Err(Failed::OneMessage(Some(i)));
+                }
                 done.push(Batched::Done(Outcome::Skip));
                 continue;
             };
@@ -205,6 +224,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             match handled {
                 Ok(Ok(())) => {
                     claimed.push(id);
+                    claimed_at.push(i);
                     done.push(Batched::Done(Outcome::Ack));
                 }
                 Ok(Err(e)) => {
@@ -221,7 +241,11 @@ impl<DB: InboxBackend> Inbox<DB> {
             // Also what catches a handler that swallowed an error of an aborted transaction
             // (PostgreSQL), or a transaction a swallowed deadlock rolled back (MySQL): the
             // markers are not all there to be updated.
-            let finish = backend::finish_many_sql::<DB>(self.table(), &claimed);
+            let hashes: Vec<Option<&str>> = claimed_at
+                .iter()
+                .map(|&i| deliveries[i].payload_hash.as_deref())
+                .collect();
+            let finish = backend::finish_many_sql::<DB>(self.table(), &claimed, &hashes);
             match DB::execute_raw(&mut tx, finish).await {
                 Ok(r) if DB::rows_affected(&r) == claimed.len() as u64 => {}
                 _ => {
@@ -232,6 +256,37 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
         tx.commit().await.map_err(|_| Failed::Whole)?;
         Ok(done)
+    }
+
+    /// A duplicate in a batch: counts and logs key reuse, and says whether the handler rejects
+    /// it (the message must then go alone, to be dead-lettered there, where it is counted).
+    /// `earlier` is the message of the batch that claimed `key`, whose hash is not written yet.
+    async fn batch_duplicate<H: Handler<Db = DB>>(
+        &self,
+        conn: &mut DB::Connection,
+        key: &str,
+        delivery: &Delivery,
+        earlier: Option<&Delivery>,
+    ) -> bool {
+        let reused = match earlier {
+            Some(earlier) => match (&earlier.payload_hash, &delivery.payload_hash) {
+                (Some(original), Some(this)) if original != this => Some(ProcessError::KeyReused {
+                    key: key.to_owned(),
+                    original: original.clone(),
+                    this: this.clone(),
+                }),
+                _ => None,
+            },
+            None => self.key_reused(conn, H::CONSUMER, key, delivery).await,
+        };
+        let Some(reused) = reused else {
+            return false;
+        };
+        if H::REJECT_KEY_REUSE {
+            return true;
+        }
+        self.reported_key_reuse(H::CONSUMER, &reused);
+        false
     }
 
     /// The careful try: a savepoint per message; a failing one is left out, and so is `culprit`
@@ -298,7 +353,14 @@ impl<DB: InboxBackend> Inbox<DB> {
                 continue;
             }
             let Some(Claimed::New(id)) = claims.next() else {
-                done.push(Batched::Done(Outcome::Skip));
+                // Key reuse rejected: the message goes alone, where it is dead-lettered.
+                match self
+                    .batch_duplicate::<H>(&mut tx, keys[i], delivery, None)
+                    .await
+                {
+                    true => done.push(Batched::Alone),
+                    false => done.push(Batched::Done(Outcome::Skip)),
+                }
                 continue;
             };
             let Some(decoded) = message(i) else {
@@ -313,7 +375,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                     .await
                     .map_err(|e| ProcessError::Handler(e.into()))?;
                 // As for one message: the marker must still be there to be finished.
-                self.finish(&mut savepoint, id).await
+                self.finish(&mut savepoint, id, delivery).await
             };
             let processed = AssertUnwindSafe(one).catch_unwind().await;
             let kept = match processed {

@@ -46,6 +46,9 @@ pub struct Inbox<DB: InboxBackend> {
     /// How long `migrate` waits for another instance migrating the table.
     migration_wait: Duration,
     pub(crate) sql: InboxStatements,
+    /// Duplicates found with another payload than their key's first, by this inbox and its
+    /// clones.
+    pub(crate) key_reuses: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl<DB: InboxBackend> Clone for Inbox<DB> {
@@ -58,6 +61,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
             lease: self.lease,
             migration_wait: self.migration_wait,
             sql: self.sql.clone(),
+            key_reuses: self.key_reuses.clone(),
         }
     }
 }
@@ -78,7 +82,14 @@ impl<DB: InboxBackend> Inbox<DB> {
             lock_timeout: DEFAULT_LOCK_TIMEOUT,
             lease: DEFAULT_LEASE,
             migration_wait: migrate::MIGRATION_LOCK_WAIT,
+            key_reuses: Default::default(),
         }
+    }
+
+    /// How many duplicates this inbox (and its clones) found with another payload than the one
+    /// their key was first processed with (also `inbox_key_reuse_total`, and a warning each).
+    pub fn key_reuses(&self) -> u64 {
+        self.key_reuses.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The table's layout.
@@ -118,7 +129,8 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// This inbox with every statement of a message's transaction bounded by `timeout` (a
-    /// worker's deadline), where the database can (PostgreSQL's `statement_timeout`).
+    /// worker's deadline), where the database can (PostgreSQL's `statement_timeout`, MariaDB's
+    /// `max_statement_time`).
     pub(crate) fn bounded_by(mut self, timeout: Duration) -> Self {
         self.sql.bound_statements::<DB>(timeout);
         self

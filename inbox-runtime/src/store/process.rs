@@ -168,6 +168,13 @@ impl<DB: InboxBackend> Inbox<DB> {
                 source,
             })?;
         let Claimed::New(id) = claim else {
+            // A duplicate; one with another payload than the key's first is key reuse.
+            if let Some(reused) = self.key_reused(tx, H::CONSUMER, key, delivery).await {
+                self.reported_key_reuse(H::CONSUMER, &reused);
+                if H::REJECT_KEY_REUSE {
+                    return Err(reused);
+                }
+            }
             return Ok(Outcome::Skip);
         };
         handler
@@ -175,8 +182,55 @@ impl<DB: InboxBackend> Inbox<DB> {
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
         // processed_at says when the effect was done; it commits with the effect or not at all.
-        self.finish(tx, id).await?;
+        self.finish(tx, id, delivery).await?;
         Ok(Outcome::Ack)
+    }
+
+    /// Whether the duplicate `key` of `delivery` came with another payload than the one the key
+    /// was first processed with: [`ProcessError::KeyReused`], naming both hashes. `None` when
+    /// it came with the same, or when either hash is unknown (a delivery from elsewhere than
+    /// JetStream, a marker of an earlier version or of a two-phase claim, a failed lookup).
+    pub(crate) async fn key_reused(
+        &self,
+        conn: &mut DB::Connection,
+        consumer: &str,
+        key: &str,
+        delivery: &Delivery,
+    ) -> Option<ProcessError> {
+        let this = delivery.payload_hash.as_deref()?;
+        let original = match DB::fetch_hash(conn, self.sql.hash.clone(), consumer, key).await {
+            Ok(hash) => hash.flatten()?,
+            Err(e) => {
+                tracing::debug!(error = %e, "looking up the key's payload hash failed");
+                return None;
+            }
+        };
+        (original != this).then(|| ProcessError::KeyReused {
+            key: key.to_owned(),
+            original,
+            this: this.to_owned(),
+        })
+    }
+
+    /// Counts and logs key reuse found by [`Inbox::key_reused`].
+    pub(crate) fn reported_key_reuse(&self, consumer: &'static str, reused: &ProcessError) {
+        self.key_reuses
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        crate::metrics::key_reused(consumer);
+        if let ProcessError::KeyReused {
+            key,
+            original,
+            this,
+        } = reused
+        {
+            tracing::warn!(
+                consumer,
+                key,
+                original,
+                this,
+                "key reused with another payload"
+            );
+        }
     }
 
     /// Sets `processed_at` on the marker `id` this transaction claimed. The marker must still be
@@ -188,8 +242,10 @@ impl<DB: InboxBackend> Inbox<DB> {
         &self,
         conn: &mut DB::Connection,
         id: i64,
+        delivery: &Delivery,
     ) -> Result<(), ProcessError> {
-        let finished = DB::execute_id(conn, self.sql.finish.clone(), id)
+        let hash = delivery.payload_hash.as_deref();
+        let finished = DB::execute_finish(conn, self.sql.finish.clone(), id, hash)
             .await
             .map_err(|source| ProcessError::Database {
                 stage: Stage::Finish,

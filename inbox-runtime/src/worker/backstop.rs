@@ -115,20 +115,32 @@ pub(crate) async fn ensure_stream(
         AdvisoryStream::Named(name) => (name.clone(), format!("{ADVISORY_PREFIX}.>")),
     };
     let ours = format!("{ADVISORY_PREFIX}.{stream}.{durable}");
-    let mut found = js
-        .get_or_create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject],
-            max_age: ADVISORY_MAX_AGE,
-            num_replicas: replicas.max(1),
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| {
-            format!(
-                "creating stream {name:?} for the delivery-limit advisories of {stream}/{durable}: {e} (a stream that already takes {ours:?} can be named instead: WorkerBuilder::backstop, App::backstop)"
-            )
-        })?;
+    let config = stream::Config {
+        name: name.clone(),
+        subjects: vec![subject],
+        max_age: ADVISORY_MAX_AGE,
+        num_replicas: replicas.max(1),
+        ..Default::default()
+    };
+    // Instances starting together create it together: one that loses the race may be told
+    // the subjects overlap (with the stream the other is creating), and finds it when it asks
+    // again.
+    let mut tries = 0;
+    let mut found = loop {
+        match js.get_or_create_stream(config.clone()).await {
+            Ok(found) => break found,
+            Err(_) if tries < 3 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(100 * tries)).await;
+            }
+            Err(e) => {
+                return Err(format!(
+                    "creating stream {name:?} for the delivery-limit advisories of {stream}/{durable}: {e} (a stream that already takes {ours:?} can be named instead: WorkerBuilder::backstop, App::backstop)"
+                )
+                .into());
+            }
+        }
+    };
     let subjects = &found.info().await?.config.subjects;
     if !subjects.iter().any(|s| covers(s, &ours)) {
         return Err(format!(
@@ -373,11 +385,13 @@ impl<H: Handler> Inner<H> {
             &advisory.stream,
             advisory.deliveries,
         );
+        let mut letter_key = None;
         let why = match self.stored_key(&stored.payload, &delivery).await? {
             Ok(key) => {
                 if self.inbox.is_done(H::CONSUMER, &key).await? {
                     return Ok(Done::Committed);
                 }
+                letter_key = Some(key);
                 format!(
                     "{BACKSTOP_ERROR} (delivery {} of consumer {:?}): the process holding its last delivery stopped, or the client could not read the message",
                     advisory.deliveries, advisory.consumer
@@ -396,6 +410,8 @@ impl<H: Handler> Inner<H> {
             stream_seq: advisory.stream_seq,
             delivered: advisory.deliveries,
             error: &why,
+            subject: Some(&stored.subject),
+            key: letter_key.as_deref(),
         };
         let readable = (!headers.readable.is_empty()).then_some(&headers.readable);
         let mut letter_headers = letter_headers(readable, &letter);

@@ -133,6 +133,18 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
+    /// The bytes of messages the worker holds at most, fetched and not yet finished (default
+    /// 64 MiB), counted as the server counts a pull request's `max_bytes`: subject, reply
+    /// subject, headers and payload. Pull requests ask for no more than is free, so memory is
+    /// bounded by this as well as by the concurrency (times the batch size when batched), whatever
+    /// size producers publish. A budget below one message of the server's largest (its
+    /// `max_payload` plus room for the subjects) is raised to that, so that every message can
+    /// be fetched.
+    pub fn max_bytes(mut self, bytes: usize) -> Self {
+        self.options.max_bytes = Some(bytes);
+        self
+    }
+
     /// How committed messages are acked (default [`AckMode::Plain`]).
     pub fn ack_mode(mut self, mode: AckMode) -> Self {
         self.options.ack_mode = mode;

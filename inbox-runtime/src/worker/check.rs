@@ -47,6 +47,8 @@ pub(crate) struct Options {
     pub max_deliver_every: Duration,
     /// Whether the consumer is paused on the server while the circuit is open.
     pub pause_on_server: bool,
+    /// The bytes of messages fetched and not yet finished, at most (`None`: the default).
+    pub max_bytes: Option<usize>,
 }
 
 impl Default for Options {
@@ -68,6 +70,7 @@ impl Default for Options {
             backstop: None,
             max_deliver_every: REFRESH_EVERY,
             pause_on_server: false,
+            max_bytes: None,
         }
     }
 }
@@ -105,6 +108,11 @@ pub(crate) struct Settings {
     pub backstop: Option<super::backstop::AdvisoryStream>,
     /// Whether the consumer is paused on the server while the circuit is open.
     pub pause_on_server: bool,
+    /// The bytes of messages fetched and not yet finished, at most: the budget pull requests
+    /// are sized by (`pull.rs`); raised to one message of the server's largest if lower.
+    pub max_bytes: usize,
+    /// The most bytes one pull request may ask for: the consumer's `max_bytes`, if it has one.
+    pub max_request_bytes: usize,
 }
 
 /// Batched commits: see [`WorkerBuilder::batch`].
@@ -118,6 +126,10 @@ pub(crate) struct Batching {
 
 /// How long one try of a delivery may take by default: see [`WorkerBuilder::deadline`](crate::WorkerBuilder::deadline).
 pub const DEFAULT_DEADLINE: Duration = Duration::from_secs(300);
+
+/// The bytes of messages a worker holds at most by default: see
+/// [`WorkerBuilder::max_bytes`](crate::WorkerBuilder::max_bytes).
+pub const DEFAULT_MAX_BYTES: usize = 64 << 20;
 
 /// The `ack_wait` the server applies when the consumer leaves it at zero.
 const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
@@ -218,6 +230,15 @@ pub(crate) fn check(
         sweep: None,
         backstop: options.backstop.clone(),
         pause_on_server: options.pause_on_server,
+        // At most what a semaphore counts and a request's bytes are waited for in (u32).
+        max_bytes: options
+            .max_bytes
+            .unwrap_or(DEFAULT_MAX_BYTES)
+            .min(u32::MAX as usize),
+        max_request_bytes: match config.max_bytes {
+            n if n > 0 => n as usize,
+            _ => usize::MAX,
+        },
     })
 }
 

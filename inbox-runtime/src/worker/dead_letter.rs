@@ -49,6 +49,10 @@ pub(crate) struct DeadLetter<'a> {
     pub stream_seq: u64,
     pub delivered: i64,
     pub error: &'a str,
+    /// The subject the original was published to.
+    pub subject: Option<&'a str>,
+    /// The key it was (or would have been) processed under, when known.
+    pub key: Option<&'a str>,
 }
 
 impl DeadLetters {
@@ -193,6 +197,24 @@ pub(crate) async fn relay_parked<DB: InboxBackend>(
     Ok(sent)
 }
 
+impl<DB: InboxBackend> Inbox<DB> {
+    /// Publishes `consumer`'s parked dead letters (kept in `<table>_dead_letters` when no stream
+    /// took them on a last delivery) to `stream` under `<prefix>.<consumer>`, as the consumer's
+    /// worker does every so often, and deletes each once JetStream stored it; returns how many
+    /// went. A letter the stream still refuses stays parked. The stream is created if missing,
+    /// with as many replicas as `source` (the consumer's stream) has.
+    pub async fn relay_parked_letters(
+        &self,
+        js: &jetstream::Context,
+        (stream, prefix): (&str, &str),
+        consumer: &str,
+        source: &str,
+    ) -> Result<usize, async_nats::Error> {
+        let letters = DeadLetters::new(stream.into(), prefix.into(), consumer, source.into());
+        relay_parked(self, &letters, js, consumer).await
+    }
+}
+
 /// The letter as it fits within the server's `max_payload` (headers and payload together): as it
 /// is when it fits; else its payload cut, with `Inbox-Truncated: <original length>` (the letter
 /// still names the original's stream and sequence, to fetch it whole); and when the original's
@@ -236,6 +258,12 @@ fn wire_len(headers: &HeaderMap) -> usize {
     len
 }
 
+/// The header that names the subject the original was published to.
+pub const SUBJECT: &str = "Inbox-Subject";
+
+/// The header that carries the key the original was (or would have been) processed under.
+pub const KEY: &str = "Inbox-Key";
+
 /// The header a truncated letter carries: the original payload's length.
 const TRUNCATED: &str = "Inbox-Truncated";
 
@@ -272,6 +300,13 @@ pub(crate) fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'
     headers.insert("Inbox-Stream", letter.stream);
     headers.insert("Inbox-Stream-Seq", letter.stream_seq.to_string().as_str());
     headers.insert("Inbox-Delivered", letter.delivered.to_string().as_str());
+    // What a replay needs (`inbox dlq replay`): where the original went, and the key it keeps
+    // (left out when no header can carry it: a key with a line break).
+    for (name, value) in [(SUBJECT, letter.subject), (KEY, letter.key)] {
+        if let Some(value) = value.and_then(|v| v.parse::<async_nats::HeaderValue>().ok()) {
+            headers.insert(name, value);
+        }
+    }
     // One id per consumer and stored message: JetStream drops a second letter for the same
     // delivery (a retry after a lost PubAck), never the letter of another consumer.
     // With the stream's creation time when known: a stream created again restarts its
@@ -302,6 +337,8 @@ mod tests {
             stream_seq: 9,
             delivered: 1,
             error: "boom",
+            subject: Some("orders.created"),
+            key: Some("order-7"),
         }
     }
 

@@ -23,6 +23,7 @@ mod letter_text;
 mod max_deliver;
 mod names;
 mod pull;
+mod requests;
 mod serve;
 mod serve_batch;
 mod slots;
@@ -94,6 +95,9 @@ pub struct Stats {
     pub conflicts: u64,
     /// Batched workers: tries of a whole batch again after such a conflict.
     pub batch_retries: u64,
+    /// Duplicates found with another payload than the one their key was first processed with
+    /// (by this worker's inbox and its clones: [`Inbox::key_reuses`](crate::Inbox::key_reuses)).
+    pub key_reuses: u64,
 }
 
 /// Counters of what a worker did, by outcome.
@@ -236,6 +240,15 @@ impl<H: Handler> Worker<H> {
         self.inner.max_deliver.get()
     }
 
+    /// For tests (feature `test-util`, not part of the stable API): opens the database circuit
+    /// as a delivery that found the database unreachable would, with no delivery held, so that
+    /// only the circuit's own probe can close it.
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn trip_circuit(&self) {
+        self.inner.circuit.trip(&"tripped by a test");
+    }
+
     /// Whether this worker finds the database unreachable now (its circuit is open: it pulls
     /// nothing, and the messages it holds wait for the database).
     pub fn database_unreachable(&self) -> bool {
@@ -254,6 +267,7 @@ impl<H: Handler> Worker<H> {
             held: c.held.load(Ordering::Relaxed),
             conflicts: c.conflicts.load(Ordering::Relaxed),
             batch_retries: c.batch_retries.load(Ordering::Relaxed),
+            key_reuses: self.inner.inbox.key_reuses(),
         }
     }
 }

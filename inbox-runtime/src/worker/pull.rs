@@ -14,6 +14,7 @@
 //! with their `ack_wait` running.
 
 use super::Inner;
+use super::requests::{Budget, Held, Open, SUBJECTS_ROOM};
 use super::serve::with_progress;
 use super::serve_batch::Waiting;
 use super::slots::{Ready, Slots};
@@ -23,91 +24,12 @@ use async_nats::StatusCode;
 use async_nats::jetstream::consumer::pull::BatchConfig;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-
-/// How long after its expiry a request that brought neither all its messages nor a 408 is given
-/// up for lost (a restarted server, a lost connection), and its permits asked for again.
-const LOST_AFTER: Duration = Duration::from_secs(1);
-
-/// The pull requests sent and not yet used up, oldest first: the server serves a client's
-/// waiting requests in order.
-#[derive(Debug, Default)]
-struct Open {
-    requests: VecDeque<Request>,
-    /// Messages asked for and not yet delivered.
-    outstanding: usize,
-}
-
-#[derive(Debug)]
-struct Request {
-    /// Messages it may still bring.
-    remaining: usize,
-    /// When the server expires it.
-    expires: Instant,
-}
-
-impl Open {
-    fn sent(&mut self, batch: usize, expires: Instant) {
-        self.outstanding += batch;
-        self.requests.push_back(Request {
-            remaining: batch,
-            expires,
-        });
-    }
-
-    /// A message arrived: it used up one message of the oldest request.
-    fn delivered(&mut self) {
-        if let Some(front) = self.requests.front_mut() {
-            front.remaining -= 1;
-            self.outstanding -= 1;
-            if front.remaining == 0 {
-                self.requests.pop_front();
-            }
-        }
-    }
-
-    /// The oldest request ended (expired, or refused) with what it had not brought.
-    fn ended(&mut self) {
-        if let Some(front) = self.requests.pop_front() {
-            self.outstanding -= front.remaining;
-        }
-    }
-
-    /// Forgets requests expired more than [`LOST_AFTER`] ago without a word from the server.
-    fn forget_lost(&mut self, now: Instant) -> bool {
-        let mut lost = false;
-        while self
-            .requests
-            .front()
-            .is_some_and(|r| r.expires + LOST_AFTER <= now)
-        {
-            self.ended();
-            lost = true;
-        }
-        lost
-    }
-
-    /// When the oldest request is given up for lost.
-    fn next_lost(&self) -> Option<Instant> {
-        self.requests.front().map(|r| r.expires + LOST_AFTER)
-    }
-
-    /// When the last open request expires at the server.
-    fn last_expiry(&self) -> Option<Instant> {
-        self.requests.back().map(|r| r.expires)
-    }
-
-    fn clear(&mut self) {
-        self.requests.clear();
-        self.outstanding = 0;
-    }
-}
 
 /// Pulls until `shutdown`, spawning each message's processing on `tasks`.
 pub(super) async fn run<H>(inner: &Arc<Inner<H>>, shutdown: &CancellationToken, tasks: &TaskTracker)
@@ -116,6 +38,11 @@ where
 {
     let concurrency = inner.settings.concurrency;
     let permits = Arc::new(Semaphore::new(concurrency));
+    let mut budget = Budget {
+        bytes: Arc::new(Semaphore::new(0)),
+        size: 0,
+    };
+    budget.fit(inner.settings.max_bytes);
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(10));
     // The highest delivery sequence seen: a consumer numbers its deliveries 1, 2, .. for as long
     // as it lives, so one that goes back is a new consumer, on a stream that may be new too.
@@ -134,6 +61,8 @@ where
             tasks,
             permits: &permits,
             free: Vec::new(),
+            budget: &mut budget,
+            free_bytes: None,
             open: Open::default(),
             last_delivery: &mut last_delivery,
             slots: inner
@@ -161,6 +90,9 @@ struct Session<'a, H: Handler> {
     /// Permits held for the requests open, and for those to be sent: never fewer than
     /// `open.outstanding`.
     free: Vec<OwnedSemaphorePermit>,
+    budget: &'a mut Budget,
+    /// Bytes of the budget held for the requests to be sent.
+    free_bytes: Option<OwnedSemaphorePermit>,
     open: Open,
     last_delivery: &'a mut u64,
     /// Deliveries collected for the next batches (batched mode only).
@@ -182,21 +114,52 @@ where
             .await
             .map_err(|e| format!("subscribing to {inbox}: {e}"))?;
         let concurrency = settings.concurrency;
-        // Ask for messages once at least this many can start: one request per message would
-        // cost the server (and us) a request each; waiting for all would leave slots idle.
-        let refill_at = concurrency.div_ceil(2);
+        // A message of the largest size the server allows always fits in the budget, and a
+        // request is sent only with room for one (or as much as the consumer lets one ask for),
+        // so that no message is refused for good for its size.
+        let biggest = client.server_info().max_payload + SUBJECTS_ROOM;
+        self.budget.fit(biggest);
+        let least_bytes = biggest.min(settings.max_request_bytes);
+        let mut unbounded_next = false;
         let mut stopping = false;
         // Idle heartbeats while a request is open (the server allows at most half the expiry).
         let heartbeat = (settings.fetch_expiry / 2).min(Duration::from_secs(5));
         let mut heard = Instant::now();
         let result = loop {
+            let mut wants_bytes = false;
             if !stopping && !inner.circuit.is_open() {
                 self.take_free_permits();
+                self.take_free_bytes();
                 let room = self.free.len().saturating_sub(self.open.outstanding);
-                if room > 0 && (room >= refill_at || self.open.outstanding == 0) {
-                    let batch = room.min(settings.max_batch);
+                let free_bytes = self.free_bytes.as_ref().map_or(0, |p| p.num_permits());
+                // One request open at a time: the server serves a client's requests in turn,
+                // not in order, so with two open a delivery could not be told apart, nor its
+                // bytes counted against the right one.
+                let due = room > 0 && self.open.requests.is_empty();
+                wants_bytes = due && free_bytes < least_bytes;
+                if due && !wants_bytes {
+                    let mut batch = room.min(settings.max_batch);
+                    // As many bytes as `batch` messages of the largest size, if free: small
+                    // messages fill the batch, large ones stop at the budget.
+                    let mut max_bytes = free_bytes
+                        .min(batch.saturating_mul(biggest))
+                        .min(settings.max_request_bytes);
+                    let mut held = max_bytes;
+                    if unbounded_next {
+                        // The next message is larger than any request of ours may ask for (the
+                        // consumer's max_bytes is below it): one message, without max_bytes,
+                        // so that it is not held up for ever; over the budget by one at most.
+                        (batch, max_bytes, held) = (1, 0, free_bytes.min(biggest));
+                        unbounded_next = false;
+                    }
+                    let bytes = self
+                        .free_bytes
+                        .as_mut()
+                        .and_then(|p| p.split(held))
+                        .expect("the free bytes were counted above");
                     let request = BatchConfig {
                         batch,
+                        max_bytes,
                         expires: Some(settings.fetch_expiry),
                         idle_heartbeat: heartbeat,
                         ..Default::default()
@@ -212,7 +175,7 @@ where
                     {
                         break Err(format!("pull request: {e}"));
                     }
-                    self.open.sent(batch, expires);
+                    self.open.sent(batch, bytes, expires);
                 }
             }
             if stopping && self.open.outstanding == 0 {
@@ -238,6 +201,15 @@ where
                 next = subscription.next() => next,
                 permit = self.permits.clone().acquire_owned(), if wants_permit => {
                     self.free.push(permit.expect("the semaphore is never closed"));
+                    continue;
+                }
+                // Wakes when the bytes a request needs are free (a message finished).
+                bytes = self.budget.bytes.clone().acquire_many_owned(
+                    u32::try_from(least_bytes.saturating_sub(
+                        self.free_bytes.as_ref().map_or(0, |p| p.num_permits())
+                    )).unwrap_or(u32::MAX)
+                ), if wants_bytes => {
+                    self.keep_free_bytes(bytes.expect("the semaphore is never closed"));
                     continue;
                 }
                 _ = inner.circuit.closed(), if inner.circuit.is_open() && !stopping => continue,
@@ -272,7 +244,22 @@ where
                         }
                         // Every request open is void after a leader change.
                         "Leadership Change" => self.open.clear(),
-                        _ => self.open.ended(),
+                        // The next message is larger than the request's bytes left; if it
+                        // brought nothing, larger than what a request of ours may ask for.
+                        "Message Size Exceeds MaxBytes" => {
+                            if let Some(r) = self.open.ended()
+                                && !r.brought
+                            {
+                                tracing::debug!(
+                                    asked = r.asked_bytes,
+                                    "a message is larger than a pull request may ask for; one goes without max_bytes"
+                                );
+                                unbounded_next = true;
+                            }
+                        }
+                        _ => {
+                            self.open.ended();
+                        }
                     }
                     continue;
                 }
@@ -281,12 +268,12 @@ where
                     break Err(format!("pull answered {status} {description}"));
                 }
             }
-            self.open.delivered();
+            let bytes = self.open.delivered(message.length);
             let message = jetstream::Message {
                 message,
                 context: inner.jetstream.clone(),
             };
-            self.dispatch(message, stopping).await;
+            self.dispatch(message, bytes, stopping).await;
         };
         self.flush_batches(None);
         if let Err(e) = subscription.unsubscribe().await {
@@ -305,9 +292,33 @@ where
         }
     }
 
-    /// Serves `message` on a task of its own, holding a permit; or, while stopping and unless it
-    /// is its last delivery, naks it.
-    async fn dispatch(&mut self, message: jetstream::Message, stopping: bool) {
+    /// Takes every free byte of the budget.
+    fn take_free_bytes(&mut self) {
+        let free = self.budget.bytes.available_permits();
+        if free == 0 {
+            return;
+        }
+        let n = u32::try_from(free).unwrap_or(u32::MAX);
+        if let Ok(bytes) = self.budget.bytes.clone().try_acquire_many_owned(n) {
+            self.keep_free_bytes(bytes);
+        }
+    }
+
+    fn keep_free_bytes(&mut self, bytes: OwnedSemaphorePermit) {
+        match self.free_bytes.as_mut() {
+            Some(free) => free.merge(bytes),
+            None => self.free_bytes = Some(bytes),
+        }
+    }
+
+    /// Serves `message` on a task of its own, holding a permit and its `bytes`; or, while
+    /// stopping and unless it is its last delivery, naks it.
+    async fn dispatch(
+        &mut self,
+        message: jetstream::Message,
+        bytes: Option<OwnedSemaphorePermit>,
+        stopping: bool,
+    ) {
         let inner = self.inner;
         let (last, delivery_seq) = message.info().map_or((false, 0), |i| {
             (inner.last_delivery(i.delivered), i.consumer_sequence)
@@ -333,7 +344,15 @@ where
         }
         // Served, also while stopping when this is its last delivery: a nak would never be
         // redelivered, so it is processed (or dead-lettered) to the end, and shutdown waits.
-        let permit = match self.free.pop() {
+        // One that came beyond the bytes asked for (a request given up for lost) takes what is
+        // free, if anything: it is served all the same.
+        let bytes = bytes.or_else(|| {
+            let size = message.length;
+            self.free_bytes
+                .as_mut()
+                .and_then(|free| free.split(size.min(free.num_permits())))
+        });
+        let slot = match self.free.pop() {
             Some(permit) => Some(permit),
             // More arrived than asked for (a request given up for lost came through after all):
             // it waits for a slot like any other, with progress acks so that its delivery does
@@ -345,6 +364,7 @@ where
             }
             None => None,
         };
+        let held = Held::new(slot, bytes);
         if let Some(slots) = self.slots.as_mut().filter(|_| !stopping) {
             let slot = match H::LANED {
                 true => inner
@@ -352,14 +372,14 @@ where
                     .map_or(0, |lane| lane.slot(slots.len())),
                 false => 0,
             };
-            if let Some(ready) = slots.push(slot, (message, permit)) {
+            if let Some(ready) = slots.push(slot, (message, held)) {
                 self.start_batch(ready);
             }
             return;
         }
         let (inner, shutdown) = (inner.clone(), self.shutdown.clone());
         self.tasks
-            .spawn(async move { inner.serve(message, permit, shutdown).await });
+            .spawn(async move { inner.serve(message, held, shutdown).await });
     }
 
     /// Starts the batches due by `due` (all of them with `None`), each on a task of its own.
@@ -407,33 +427,5 @@ async fn pause(
     tokio::select! {
         _ = shutdown.cancelled() => {}
         _ = tokio::time::sleep(wait) => {}
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn open_requests_are_used_up_oldest_first_and_lost_ones_forgotten() {
-        let t = Instant::now();
-        let mut open = Open::default();
-        open.sent(2, t + Duration::from_secs(2));
-        open.sent(3, t + Duration::from_secs(4));
-        assert_eq!(open.outstanding, 5);
-        open.delivered();
-        open.delivered();
-        assert_eq!((open.outstanding, open.requests.len()), (3, 1));
-        assert_eq!(open.last_expiry(), Some(t + Duration::from_secs(4)));
-        assert!(!open.forget_lost(t + Duration::from_secs(4)));
-        assert!(open.forget_lost(t + Duration::from_secs(5)));
-        assert_eq!((open.outstanding, open.requests.len()), (0, 0));
-        open.sent(4, t);
-        open.delivered();
-        open.ended();
-        assert_eq!(open.outstanding, 0);
-        open.ended();
-        open.delivered();
-        assert_eq!(open.outstanding, 0);
     }
 }

@@ -4,6 +4,7 @@
 //! dead-letter and term. Nothing here decides; `verdict.rs` does.
 
 use super::dead_letter::{DeadLetter, header_pairs, letter_headers};
+use super::requests::Held;
 use super::transport_id::{StreamCreated, key_of};
 use super::verdict::{Verdict, retry_in_process, verdict};
 use super::{AckMode, Inner};
@@ -21,7 +22,6 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, field};
 
@@ -29,15 +29,10 @@ impl<H> Inner<H>
 where
     H: Handler,
 {
-    /// Processes one delivery and answers JetStream according to the verdict; the permit (none
-    /// for a last delivery that arrived while stopping) is released when it is done.
-    pub(super) async fn serve(
-        &self,
-        message: Message,
-        permit: Option<OwnedSemaphorePermit>,
-        shutdown: CancellationToken,
-    ) {
-        let _permit = permit;
+    /// Processes one delivery and answers JetStream according to the verdict; what it `held`
+    /// (its slot and bytes) is released when it is done.
+    pub(super) async fn serve(&self, message: Message, held: Held, shutdown: CancellationToken) {
+        let _held = held;
         let _in_flight = self.metrics.get().map(|m| m.in_flight(1));
         let delivery = match message.info() {
             Ok(info) => Delivery::of(&message, &info),
@@ -149,6 +144,7 @@ where
                         self.stream_created.cached()
                     }
                 };
+                let key = self.letter_key(message, delivery, created);
                 let letter = DeadLetter {
                     consumer: H::CONSUMER,
                     stream: &delivery.stream,
@@ -156,6 +152,8 @@ where
                     stream_seq: delivery.stream_seq,
                     delivered: delivery.delivered,
                     error: &reason,
+                    subject: Some(&delivery.subject),
+                    key: key.as_deref(),
                 };
                 let last = self.last_delivery(delivery.delivered);
                 let stored = if last {
@@ -333,6 +331,41 @@ where
         }
     }
 
+    /// The key a rejected message was (or would have been) processed under, for its letter, so
+    /// that a replay keeps it: the handler's `key` expression on the decoded message, else the
+    /// transport id; `None` when it cannot be told (a payload that does not decode, a key
+    /// expression that fails or panics, a stream whose creation time is unknown).
+    fn letter_key(
+        &self,
+        message: &Message,
+        delivery: &Delivery,
+        created: Option<i128>,
+    ) -> Option<String> {
+        let explicit = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            let decoded = decode::<H>(message).ok()?;
+            self.handler.key(&decoded, delivery, &self.state).ok()
+        }))
+        .ok()??;
+        match explicit {
+            Some(key) => Some(key),
+            None => match (
+                delivery
+                    .replay
+                    .as_ref()
+                    .map(|(_, k)| k)
+                    .or(delivery.msg_id.as_ref()),
+                created,
+            ) {
+                (Some(id), _) => Some(id.clone()),
+                (None, Some(created)) => Some(format!(
+                    "{}:{created}:{}",
+                    delivery.stream, delivery.stream_seq
+                )),
+                (None, None) => None,
+            },
+        }
+    }
+
     /// Decodes and keys the message: what a batch needs of it before its transaction.
     pub(super) async fn decode_and_key(
         &self,
@@ -351,6 +384,10 @@ where
         message: &Message,
         delivery: &Delivery,
     ) -> Result<Outcome, ProcessError> {
+        // A replayed dead letter of another consumer: this one may have applied the original.
+        if delivery.replay_not_for(H::CONSUMER) {
+            return Ok(Outcome::Skip);
+        }
         // A panic in the key expression or the handler is this message's failure, not the
         // worker's: caught here, it is dead-lettered like any permanent failure (uncaught, the task
         // would end with neither ack nor nak, and the message would vanish after max_deliver).
@@ -439,6 +476,9 @@ where
 {
     let info = message.info().map_err(|_| KeyError::Missing)?;
     let delivery = Delivery::of(message, &info);
+    if delivery.replay_not_for(H::CONSUMER) {
+        return Ok(Outcome::Skip);
+    }
     let decoded = decode::<H>(message)?;
     let created = StreamCreated::default();
     let explicit = handler.key(&decoded, &delivery, state)?;

@@ -5,6 +5,7 @@
 //! whole failed, is served alone, exactly as without batching (retries, nak, dead letter).
 
 use super::Inner;
+use super::requests::Held;
 use super::serve::with_progress;
 use super::verdict::Verdict;
 use crate::delivery::Delivery;
@@ -16,12 +17,12 @@ use futures::FutureExt;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use tokio::sync::{Mutex, OwnedSemaphorePermit};
+use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// A delivery waiting in a batch, with the permit it holds.
-pub(super) type Waiting = (Message, Option<OwnedSemaphorePermit>);
+/// A delivery waiting in a batch, with what it holds.
+pub(super) type Waiting = (Message, Held);
 
 impl<H> Inner<H>
 where
@@ -81,6 +82,11 @@ where
                 continue;
             };
             let delivery = Delivery::of(&message, &info);
+            // A replay addressed to another consumer: acked as a duplicate, alone.
+            if delivery.replay_not_for(H::CONSUMER) {
+                alone((message, permit));
+                continue;
+            }
             // A panic in the codec or the key expression is this message's: served alone, it
             // is caught there and dead-lettered; the rest of the batch goes on.
             let keyed_one = AssertUnwindSafe(self.decode_and_key(&message, &delivery))

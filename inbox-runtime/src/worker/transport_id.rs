@@ -18,6 +18,9 @@ impl Delivery {
         js: &async_nats::jetstream::Context,
         created: &StreamCreated,
     ) -> Result<String, ProcessError> {
+        if let Some((_, key)) = &self.replay {
+            return Ok(key.clone());
+        }
         match &self.msg_id {
             Some(id) => Ok(id.clone()),
             None => {

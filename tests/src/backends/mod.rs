@@ -43,6 +43,8 @@ pub trait TestBackend: Send + Sync + 'static {
     type LedgerByTransportId: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `probed_by_transport_id`.
     type ProbedByTransportId: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
+    /// `ledger_strict`: `ledger` with `on_key_reuse = reject`.
+    type LedgerStrict: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
     /// `credit`.
     type Credit: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `credit_laned`: `credit` with `lane = msg.account`.

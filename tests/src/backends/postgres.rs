@@ -35,6 +35,7 @@ macro_rules! postgres_backend {
     type Ledger = handlers::ledger;
     type LedgerByTransportId = handlers::ledger_by_transport_id;
     type ProbedByTransportId = handlers::probed_by_transport_id;
+    type LedgerStrict = handlers::ledger_strict;
     type Credit = handlers::credit;
     type CreditLaned = handlers::credit_laned;
     type Payment = handlers::payment;

@@ -23,6 +23,7 @@ impl TestBackend for Sqlite {
     type Ledger = handlers::ledger;
     type LedgerByTransportId = handlers::ledger_by_transport_id;
     type ProbedByTransportId = handlers::probed_by_transport_id;
+    type LedgerStrict = handlers::ledger_strict;
     type Credit = handlers::credit;
     type CreditLaned = handlers::credit_laned;
     type Payment = handlers::payment;

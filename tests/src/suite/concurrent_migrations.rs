@@ -127,13 +127,20 @@ async fn repro_interrupted_migration_blocks_every_restart<B: TestBackend>() {
     let inbox = B::inbox(db.pool.clone());
     inbox.migrate().await.expect("first migration");
     // What sqlx leaves behind when the process dies inside a step: the row written as it
-    // began, with success still false.
-    B::exec(
-        &db,
-        "UPDATE _inbox_migrations SET success = FALSE WHERE version = \
-         (SELECT v FROM (SELECT max(version) AS v FROM _inbox_migrations) AS last)",
-    )
-    .await;
+    // began, with success still false. On SQLite a step commits with its row (transactional
+    // DDL), so no step is ever left so; there its first step stands in (the last adds a column,
+    // which SQLite cannot do conditionally).
+    let dirty_step = match B::SINGLE_WRITER {
+        false => {
+            "UPDATE _inbox_migrations SET success = FALSE WHERE version = \
+             (SELECT v FROM (SELECT max(version) AS v FROM _inbox_migrations) AS last)"
+        }
+        true => {
+            "UPDATE _inbox_migrations SET success = FALSE WHERE version = \
+             (SELECT v FROM (SELECT min(version) AS v FROM _inbox_migrations) AS first)"
+        }
+    };
+    B::exec(&db, dirty_step).await;
     inbox
         .migrate()
         .await

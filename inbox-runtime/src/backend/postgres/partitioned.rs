@@ -112,6 +112,7 @@ pub(super) fn partitioned_migrations(table: &TableName) -> Vec<String> {
             END
             $fn$;"
         ),
+        super::payload_hash_migration(table),
     ]
 }
 

@@ -2,7 +2,8 @@
 //! state argument, any argument order, `?` in the body, an integer key, no key at all, a
 //! `Result` alias that hides the error type, a two-phase (`claim`) handler with state, a key from
 //! a header of the `&Delivery`, raw payloads (`codec = Raw`), and a helper that takes the
-//! transaction as `&mut Tx<'_, DB>`, and lanes (an integer field, a string from the state).
+//! transaction as `&mut Tx<'_, DB>`, lanes (an integer field, a string from the state), and key
+//! reuse rejected (`on_key_reuse = reject`) or skipped (`skip`, the default).
 
 use inbox_runtime::{Claim, Delivery, Handler, KeyError, Raw, Tx, idempotent};
 use sqlx::Postgres;
@@ -127,7 +128,23 @@ async fn laned_text(cfg: &Config, msg: Credit, tx: &mut Tx<Postgres>) -> Result<
     Ok(())
 }
 
+/// A key reused with another payload is dead-lettered.
+#[idempotent(consumer = "strict", key = msg.id, on_key_reuse = reject)]
+async fn strict(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg.seq, tx);
+    Ok(())
+}
+
+/// Said as the default is.
+#[idempotent(consumer = "lenient", key = msg.id, on_key_reuse = skip)]
+async fn lenient(msg: Credit, tx: &mut Tx<Postgres>) -> Result<(), sqlx::Error> {
+    let _ = (msg.seq, tx);
+    Ok(())
+}
+
 fn main() {
+    assert!(<strict as Handler>::REJECT_KEY_REUSE);
+    assert!(!<lenient as Handler>::REJECT_KEY_REUSE && !<by_field as Handler>::REJECT_KEY_REUSE);
     let msg = Credit { id: "a".into(), seq: 7 };
     let d = Delivery::new("credits");
     assert_eq!(by_field.key(&msg, &d, &()), Ok(Some("a".to_owned())));
