@@ -8,6 +8,7 @@
 
 mod config;
 mod credit;
+#[cfg(feature = "email")]
 pub mod email;
 mod observe;
 pub mod orders;

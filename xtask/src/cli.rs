@@ -26,6 +26,10 @@ pub struct DemoArgs {
     /// Only this part.
     #[arg(long, value_enum)]
     pub only: Option<crate::demo::Only>,
+    /// Pass `--timings` to the demo's build: cargo writes where the build's time went to
+    /// target/cargo-timings/.
+    #[arg(long)]
+    pub timings: bool,
 }
 
 /// One task.

@@ -27,7 +27,7 @@ fn main() -> ExitCode {
         }
     };
     let result = match &cli.task {
-        cli::Task::Demo(args) => runtime.block_on(demo::run(args.only)),
+        cli::Task::Demo(args) => runtime.block_on(demo::run(args.only, args.timings)),
         cli::Task::Bench(args) if args.inbox_scale => {
             runtime.block_on(inbox_scale::run(args.into()))
         }

@@ -2,7 +2,7 @@
 //! test on the machine's nats-server and on a current one, batched, and a short chaos run); with
 //! options, only the tests they select.
 
-use crate::workspace::{build_credit, build_example, cargo_step, cargo_step_with};
+use crate::workspace::{cargo_step, cargo_step_with};
 use crate::{chaos, nats_current, services};
 use inbox_testkit::Backend;
 
@@ -104,8 +104,11 @@ async fn everything() -> Result<(), String> {
         "building the tests",
         &["test", "--workspace", "--no-run", "--quiet"],
     )?;
-    let credit = build_credit(false)?;
-    let email = build_example("email", false)?;
+    // The example binaries the chaos runs use are those the test build made for the examples'
+    // process tests: a `cargo build -p inbox-examples` would unify features otherwise and build
+    // much of the workspace again.
+    let credit = test_built("credit")?;
+    let email = test_built("email")?;
     // Installed once here, not by the two sides at once.
     nats_current::binary()?;
     let chaos = async move {
@@ -152,6 +155,20 @@ async fn everything() -> Result<(), String> {
     // One task: the test passes wait on blocking threads, so the chaos runs keep going.
     let (tests, chaos) = tokio::join!(tests, chaos);
     tests.and(chaos)
+}
+
+/// The binary `bin` that `cargo test --workspace --no-run` built (the process tests of the
+/// examples need every binary of their package).
+fn test_built(bin: &str) -> Result<std::path::PathBuf, String> {
+    let path = crate::workspace::root().join("target/debug").join(bin);
+    if path.is_file() {
+        Ok(path)
+    } else {
+        Err(format!(
+            "the test build made no {}: the chaos runs need it",
+            path.display()
+        ))
+    }
 }
 
 /// Runs `step` (a cargo invocation, which blocks) on a blocking thread, so that the chaos runs

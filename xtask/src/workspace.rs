@@ -56,22 +56,31 @@ pub fn build_example(bin: &str, release: bool) -> Result<PathBuf, String> {
     Ok(root().join("target").join(profile).join(bin))
 }
 
-/// The demo's binaries (every example and the `inbox` command, release), built by one cargo
-/// command, the same each time, so that later calls find everything built (a narrower command
-/// would unify features otherwise, and build again); returns the path of `bin`.
-pub fn build_demo(bin: &str) -> Result<PathBuf, String> {
-    cargo_step(
-        "building the demo",
-        &[
-            "build",
-            "--quiet",
-            "--release",
-            "-p",
-            "inbox-examples",
-            "--bins",
-            "-p",
-            "inbox-cli",
-        ],
-    )?;
-    Ok(root().join("target").join("release").join(bin))
+/// The demo's binaries (every example and the `inbox` command), built by one cargo command, the
+/// same each time, so that later calls find everything built (a narrower command would unify
+/// features otherwise, and build again); [`demo_binary`] names each.
+///
+/// The dev profile, as `cargo xtask` itself and the tests: the workspace's `[profile.dev]`
+/// optimises dependencies a little and drops their debug info, which makes them quick to build
+/// and quick enough to run; dependencies built for one are there for the others (see
+/// CONTRIBUTING.md, "Build profile"). `timings` adds `--timings`.
+pub fn build_demo(timings: bool) -> Result<(), String> {
+    let mut args = vec![
+        "build",
+        "--quiet",
+        "-p",
+        "inbox-examples",
+        "--bins",
+        "-p",
+        "inbox-cli",
+    ];
+    if timings {
+        args.push("--timings");
+    }
+    cargo_step("building the demo", &args)
+}
+
+/// Where [`build_demo`] put the binary `bin`.
+pub fn demo_binary(bin: &str) -> PathBuf {
+    root().join("target").join("debug").join(bin)
 }

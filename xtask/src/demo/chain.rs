@@ -16,7 +16,7 @@ pub async fn run(part: Part<'_>) -> Result<(), String> {
     println!(
         "\n--- a chain: credit's outbox -> {subject} -> the statements example (an inbox of its own) ---"
     );
-    let binary = crate::workspace::build_demo("statements")?;
+    let binary = crate::workspace::demo_binary("statements");
     let what = |e: &dyn std::fmt::Display| format!("events stream {events}: {e}");
     let mut stream = js.get_stream(&events).await.map_err(|e| what(&e))?;
     let announced = stream.info().await.map_err(|e| what(&e))?.state.messages;

@@ -16,7 +16,7 @@ const EMAILS: usize = 300;
 pub async fn run(part: Part<'_>) -> Result<(), String> {
     let Part { run, js, .. } = part;
     println!("\n--- two-phase claims: the email example ---");
-    let binary = crate::workspace::build_demo("email")?;
+    let binary = crate::workspace::demo_binary("email");
     let sink = Sink::start().await?;
     sink.flaky(Some(Flaky {
         every: 8,

@@ -46,21 +46,21 @@ pub enum Only {
     Operate,
 }
 
-/// Runs the demo: every part, or `only` one.
-pub async fn run(only: Option<Only>) -> Result<(), String> {
+/// Runs the demo: every part, or `only` one; `timings` passes `--timings` to its build.
+pub async fn run(only: Option<Only>, timings: bool) -> Result<(), String> {
     let runs = |part: Only| match only {
         None => true,
         // Chain reads what credit's outbox published.
         Some(Only::Chain) => matches!(part, Only::Credit | Only::Chain),
         Some(o) => o == part,
     };
-    // Everything the parts run, built at once, before any part starts: a part then finds its
-    // binary built (its own build is a check that finds nothing to do).
+    // Everything the parts run, built at once, before any part starts.
     println!(
-        "building the demo's binaries (credit, statements, email, orders, inbox; release): \
-         several minutes from a fresh clone, seconds after..."
+        "building the demo's binaries (credit, statements, email, orders, inbox): \
+         a few minutes from a fresh clone, seconds after..."
     );
-    let credit = crate::workspace::build_demo("credit")?;
+    crate::workspace::build_demo(timings)?;
+    let credit = crate::workspace::demo_binary("credit");
     let logs = crate::workspace::root().join("target/demo");
     std::fs::create_dir_all(&logs).map_err(|e| format!("{}: {e}", logs.display()))?;
 

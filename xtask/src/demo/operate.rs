@@ -18,7 +18,7 @@ const OPENING: i64 = 100;
 pub async fn run(part: Part<'_>) -> Result<(), String> {
     let Part { run, js, pool, .. } = part;
     println!("\n--- operating it: dead letters fixed and replayed with the `inbox` command ---");
-    let inbox = crate::workspace::build_demo("inbox")?;
+    let inbox = crate::workspace::demo_binary("inbox");
     let config = CreditConfig {
         stream: format!("OPS_DEMO_{run}"),
         subject: format!("demo.{run}.ops"),

@@ -19,7 +19,7 @@ const ADJUSTMENTS: usize = 200;
 pub async fn run(part: Part<'_>) -> Result<(), String> {
     let Part { run, js, .. } = part;
     println!("\n--- two handlers in one process: the orders example ---");
-    let binary = crate::workspace::build_demo("orders")?;
+    let binary = crate::workspace::demo_binary("orders");
     let stream = format!("ORDERS_DEMO_{run}");
     let prefix = format!("demo.{run}.orders");
     let metrics_port = TcpProxy::reserve()?.port;
