@@ -166,10 +166,11 @@ async fn open_circuit_without_messages_closes_when_the_database_answers<B: TestB
         .worker(B::inbox(pool), consumer)
         .build_with_state(B::Ledger::default(), Probe::open())
         .unwrap();
-    let run = Running::start(&worker);
+    // Cut off, and open before the worker starts (so that no pull request is open either):
+    // nothing is held, and no delivery's retry will ever ask the database.
     proxy.cut();
-    // Open, and nothing held: no delivery's retry will ever ask the database.
     worker.trip_circuit();
+    let run = Running::start(&worker);
     nats.publish_all([Entry::new("meanwhile", 1, 1).json()])
         .await;
     // While the database is cut off, the probe finds it so: the circuit stays open and nothing
