@@ -97,9 +97,10 @@ pub trait Backend: sqlx::Database + Generic {
     /// `classify::is_outage`.
     fn is_connection_error(err: &dyn sqlx::error::DatabaseError) -> bool;
 
-    /// A write that changes nothing and waits for no lock another transaction may hold: it fails
-    /// where the database takes no writes (a standby), so that a probe tells read-only from
-    /// up. By default a DELETE of no row of `table`.
+    /// A statement that changes nothing and fails, as a write would, where the database takes no
+    /// writes (a standby, a read-only session), so that a probe tells read-only from up. By
+    /// default a DELETE of no row of `table` (which waits behind a lock that excludes writers);
+    /// PostgreSQL asks instead, and touches no table.
     fn writable_probe_sql(table: &TableName) -> String {
         format!("DELETE FROM {table} WHERE 1 = 0")
     }

@@ -141,6 +141,19 @@ impl Backend for Postgres {
             .is_some_and(|c| matches!(&*c, "57P01" | "57P02" | "57P03") || c.starts_with("08"))
     }
 
+    fn writable_probe_sql(_table: &TableName) -> String {
+        // No table, so no lock: a DELETE of no row of the inbox takes a ROW EXCLUSIVE lock and
+        // waits behind an ACCESS EXCLUSIVE one (partition DDL, VACUUM FULL), and a 5 s probe
+        // would then report an outage. This asks what makes PostgreSQL refuse writes, a hot
+        // standby or a read-only session, and refuses as it would (25006).
+        "DO $probe$ BEGIN \
+         IF pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean THEN \
+         RAISE EXCEPTION USING ERRCODE = 'read_only_sql_transaction', \
+         MESSAGE = 'the database takes no writes (a standby, or a read-only session)'; \
+         END IF; END $probe$"
+            .to_owned()
+    }
+
     fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // 25006 read_only_sql_transaction: a hot standby, or default_transaction_read_only.
         err.code().is_some_and(|c| c == "25006")

@@ -174,8 +174,9 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// Whether the database can be reached and takes writes: a connection of its own (not one
-    /// from the pool, which busy handlers may all hold), opened, given a write that changes
-    /// nothing (a standby refuses it) and closed within 5 s. For health probes.
+    /// from the pool, which busy handlers may all hold), opened, given the writability probe
+    /// (`Backend::writable_probe_sql`: a standby fails it) and closed within 5 s. For health
+    /// probes.
     pub(crate) async fn reachable(&self) -> bool {
         use sqlx::{ConnectOptions, Connection};
         let options = self.pool.connect_options();
