@@ -22,7 +22,30 @@ pub fn cargo_step(what: &str, args: &[&str]) -> Result<(), String> {
 /// [`cargo_step`] with `env` set for cargo and what it runs.
 pub fn cargo_step_with(what: &str, args: &[&str], env: &[(&str, &OsStr)]) -> Result<(), String> {
     eprintln!("xtask: cargo {}", args.join(" "));
-    let status = std::process::Command::new(cargo())
+    let mut command = std::process::Command::new(cargo());
+    // What `cargo run` set for xtask itself (its package's name, version and manifest) is not
+    // the caller's environment: build scripts that watch such a variable (ring's watches
+    // CARGO_PKG_NAME, CARGO_MANIFEST_DIR and OUT_DIR) would find it changed since `cargo
+    // xtask` built xtask, and ring, rustls, async-nats and sqlx would be compiled again.
+    for (name, _) in std::env::vars_os() {
+        let watched = name.to_str().is_some_and(|n| {
+            n.starts_with("CARGO_PKG_")
+                || matches!(
+                    n,
+                    "CARGO_MANIFEST_DIR"
+                        | "CARGO_MANIFEST_PATH"
+                        | "CARGO_MANIFEST_LINKS"
+                        | "CARGO_CRATE_NAME"
+                        | "CARGO_BIN_NAME"
+                        | "CARGO_PRIMARY_PACKAGE"
+                        | "OUT_DIR"
+                )
+        });
+        if watched {
+            command.env_remove(name);
+        }
+    }
+    let status = command
         .args(args)
         .envs(env.iter().copied())
         .current_dir(root())
