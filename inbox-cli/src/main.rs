@@ -84,12 +84,8 @@ enum Command {
     Claims(Claims),
     /// Removes a marker, so that a message with that key is processed again, on purpose.
     Forget {
-        /// The consumer.
-        #[arg(long)]
-        consumer: String,
-        /// The message key.
-        #[arg(long)]
-        key: String,
+        #[command(flatten)]
+        marker: Marker,
         /// Yes, remove it.
         #[arg(long, required = true)]
         yes: bool,
@@ -171,6 +167,17 @@ enum Dlq {
     },
 }
 
+/// The consumer and key that name a marker (or a claim, which is a marker not yet done).
+#[derive(Debug, clap::Args)]
+struct Marker {
+    /// The consumer.
+    #[arg(long)]
+    consumer: String,
+    /// The message key.
+    #[arg(long)]
+    key: String,
+}
+
 #[derive(Debug, Subcommand)]
 enum Claims {
     /// Open claims, oldest first.
@@ -184,21 +191,13 @@ enum Claims {
     },
     /// Ends a claim's lease now, so that the next delivery takes it over.
     Release {
-        /// The consumer.
-        #[arg(long)]
-        consumer: String,
-        /// The message key.
-        #[arg(long)]
-        key: String,
+        #[command(flatten)]
+        claim: Marker,
     },
     /// Deletes an open claim, as if the key had never been seen.
     Forget {
-        /// The consumer.
-        #[arg(long)]
-        consumer: String,
-        /// The message key.
-        #[arg(long)]
-        key: String,
+        #[command(flatten)]
+        claim: Marker,
         /// Yes, delete it.
         #[arg(long, required = true)]
         yes: bool,
@@ -320,13 +319,18 @@ async fn run(cli: Cli) -> Result<(), Error> {
                     let open = db.open_claims(consumer.as_deref()).await?;
                     out::print(&open, json, db::claims_text);
                 }
-                Claims::Release { consumer, key } => {
+                Claims::Release {
+                    claim: Marker { consumer, key },
+                } => {
                     if !db.release_claim(&consumer, &key).await? {
                         return Err(format!("no open claim of {consumer:?} on key {key:?}"));
                     }
                     println!("released the claim of {consumer:?} on key {key:?}");
                 }
-                Claims::Forget { consumer, key, .. } => {
+                Claims::Forget {
+                    claim: Marker { consumer, key },
+                    ..
+                } => {
                     if !db.forget_claim(&consumer, &key).await? {
                         return Err(format!("no open claim of {consumer:?} on key {key:?}"));
                     }
@@ -334,7 +338,10 @@ async fn run(cli: Cli) -> Result<(), Error> {
                 }
             }
         }
-        Command::Forget { consumer, key, .. } => {
+        Command::Forget {
+            marker: Marker { consumer, key },
+            ..
+        } => {
             let db = db::Db::connect(config).await?;
             if !db.forget_marker(&consumer, &key).await? {
                 return Err(format!("no marker of {consumer:?} with key {key:?}"));

@@ -58,6 +58,31 @@ pub fn with_copies(bodies: impl IntoIterator<Item = serde_json::Value>) -> Vec<V
     payloads
 }
 
+/// Creates the stream a `credit` run of `config` consumes, kept an hour: what a run leaves goes
+/// by itself, and the markers behind it with it.
+pub async fn create_credit_stream(
+    js: &jetstream::Context,
+    config: &CreditConfig,
+) -> Result<(), String> {
+    js.get_or_create_stream(jetstream::stream::Config {
+        name: config.stream.clone(),
+        subjects: vec![config.subject.clone()],
+        max_age: Duration::from_secs(3600),
+        ..Default::default()
+    })
+    .await
+    .map(|_| ())
+    .map_err(|e| format!("cannot create stream {}: {e}", config.stream))
+}
+
+/// Deletes `stream` and the delivery-limit backstop's advisory stream for it, if there.
+pub async fn delete_stream(js: &jetstream::Context, stream: &str) {
+    let _ = js.delete_stream(stream).await;
+    let _ = js
+        .delete_stream(inbox_runtime::advisory_stream_name(stream))
+        .await;
+}
+
 /// Waits until stream `name` exists (the processes create it), failing if one of `children`
 /// exits first.
 pub async fn stream_created(

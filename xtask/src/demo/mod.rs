@@ -26,7 +26,7 @@ mod harness;
 mod operate;
 mod orders;
 
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream;
 use harness::Part;
 use inbox_testkit::{CreditConfig, PrivateNats, remove_sqlite_files, unique};
 use sqlx::any::AnyPoolOptions;
@@ -107,15 +107,7 @@ pub async fn run(only: Option<Only>, timings: bool) -> Result<(), String> {
         .max_connections(1)
         .connect_lazy(&config.database_url)
         .map_err(|e| format!("DATABASE_URL {}: {e}", config.database_url))?;
-    js.get_or_create_stream(stream::Config {
-        name: config.stream.clone(),
-        subjects: vec![config.subject.clone()],
-        // An hour: what a run leaves goes by itself, and the markers behind it with it.
-        max_age: std::time::Duration::from_secs(3600),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| format!("cannot create stream {}: {e}", config.stream))?;
+    harness::create_credit_stream(&js, &config).await?;
 
     let part = Part {
         credit: &config,
@@ -128,17 +120,11 @@ pub async fn run(only: Option<Only>, timings: bool) -> Result<(), String> {
     if runs(Only::Credit) {
         result = credit::run(part).await;
     }
-    let _ = js.delete_stream(&config.stream).await;
-    let _ = js
-        .delete_stream(inbox_runtime::advisory_stream_name(&config.stream))
-        .await;
+    harness::delete_stream(&js, &config.stream).await;
     if result.is_ok() && runs(Only::Chain) {
         result = chain::run(part).await;
     }
-    let _ = js.delete_stream(config.events_stream()).await;
-    let _ = js
-        .delete_stream(inbox_runtime::advisory_stream_name(&config.events_stream()))
-        .await;
+    harness::delete_stream(&js, &config.events_stream()).await;
     if result.is_ok() && runs(Only::Email) {
         result = email::run(part).await;
     }

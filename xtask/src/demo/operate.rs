@@ -16,7 +16,7 @@ const OPENING: i64 = 100;
 
 /// Runs the part.
 pub async fn run(part: Part<'_>) -> Result<(), String> {
-    let Part { run, js, pool, .. } = part;
+    let Part { run, js, .. } = part;
     println!("\n--- operating it: dead letters fixed and replayed with the `inbox` command ---");
     let inbox = crate::workspace::demo_binary("inbox");
     let config = CreditConfig {
@@ -25,21 +25,10 @@ pub async fn run(part: Part<'_>) -> Result<(), String> {
         consumer: format!("ops_demo_{run}"),
         ..part.credit.clone()
     };
-    js.get_or_create_stream(async_nats::jetstream::stream::Config {
-        name: config.stream.clone(),
-        subjects: vec![config.subject.clone()],
-        max_age: std::time::Duration::from_secs(3600),
-        ..Default::default()
-    })
-    .await
-    .map_err(|e| format!("cannot create stream {}: {e}", config.stream))?;
+    super::harness::create_credit_stream(js, &config).await?;
     let result = operate(part, &config, &inbox).await;
-    let _ = js.delete_stream(&config.stream).await;
-    let _ = js.delete_stream(config.events_stream()).await;
-    let _ = js
-        .delete_stream(inbox_runtime::advisory_stream_name(&config.stream))
-        .await;
-    let _ = pool;
+    super::harness::delete_stream(js, &config.stream).await;
+    super::harness::delete_stream(js, &config.events_stream()).await;
     result
 }
 
