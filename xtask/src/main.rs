@@ -9,6 +9,7 @@ mod chaos;
 mod cli;
 mod demo;
 mod inbox_scale;
+mod jobs;
 mod nats_current;
 mod services;
 mod test;

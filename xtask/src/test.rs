@@ -3,7 +3,7 @@
 //! options, only the tests they select.
 
 use crate::workspace::{cargo_step, cargo_step_with};
-use crate::{chaos, nats_current, services};
+use crate::{nats_current, services};
 use inbox_testkit::Backend;
 
 /// What `cargo xtask test` was asked for.
@@ -65,9 +65,10 @@ pub async fn run(options: Options) -> Result<(), String> {
     }
 }
 
-/// What CI runs: services, formatting, lints, docs, one build; then every test on the machine's
-/// nats-server beside a short chaos run on each server; then the behaviour suite batched and
-/// every test but the macro's UI tests on a current release, side by side.
+/// What CI runs: services, formatting, lints, docs, one build; then, as jobs two at a time
+/// ([`crate::jobs`]): every test on the machine's nats-server, the behaviour suite batched, every
+/// test but the macro's UI tests on a current release, and a short chaos run per backend on each
+/// server.
 async fn everything() -> Result<(), String> {
     services::ensure(&services::needed(&Backend::ALL)).await?;
     cargo_step("formatting", &["fmt", "--all", "--", "--check"])?;
@@ -98,63 +99,16 @@ async fn everything() -> Result<(), String> {
         ],
         &[("RUSTDOCFLAGS", std::ffi::OsStr::new("-D warnings"))],
     )?;
-    // Everything built once, up front; then the chaos runs (private nats-servers, databases of
-    // their own) side by side with the test passes.
-    cargo_step(
-        "building the tests",
-        &["test", "--workspace", "--no-run", "--quiet"],
-    )?;
+    // Everything built once, up front; the jobs run what it built.
+    let binaries = crate::jobs::build_tests()?;
     // The example binaries the chaos runs use are those the test build made for the examples'
     // process tests: a `cargo build -p inbox-examples` would unify features otherwise and build
     // much of the workspace again.
     let credit = test_built("credit")?;
     let email = test_built("email")?;
-    // Installed once here, not by the two sides at once.
+    // Installed once here, not by the jobs at once.
     nats_current::binary()?;
-    let chaos = async move {
-        let started = std::time::Instant::now();
-        chaos::run_with(chaos::Options::short(), &credit, &email).await?;
-        let mut on_current = chaos::Options::short();
-        on_current.common.current_nats = true;
-        chaos::run_with(on_current, &credit, &email).await?;
-        eprintln!("xtask: chaos runs passed in {:?}", started.elapsed());
-        Ok::<(), String>(())
-    };
-    // cargo holds its build lock while it builds, not while tests run: with nothing left to
-    // build, the two test passes run side by side too.
-    let machine = async {
-        let started = std::time::Instant::now();
-        blocking(|| cargo_step("tests", &["test", "--workspace"])).await?;
-        eprintln!("xtask: test pass passed in {:?}", started.elapsed());
-        Ok::<(), String>(())
-    };
-    let batched = async {
-        let started = std::time::Instant::now();
-        blocking(|| batched_tests(&["test", "-p", "inbox-tests"])).await?;
-        eprintln!("xtask: batched test pass passed in {:?}", started.elapsed());
-        Ok::<(), String>(())
-    };
-    let current = async {
-        let started = std::time::Instant::now();
-        // The same build (the same packages, so no rebuild): the behaviour tests are what talks
-        // to NATS; the unit tests that run again with them are quick. Not the macro's UI tests:
-        // no server is involved, and trybuild's compiles are the heaviest part of a pass.
-        on_current_nats(&["test", "--workspace", "--exclude", "inbox-ui-tests"]).await?;
-        eprintln!(
-            "xtask: current-nats test pass passed in {:?}",
-            started.elapsed()
-        );
-        Ok::<(), String>(())
-    };
-    // The machine's pass first, beside the chaos runs; then the other two side by side.
-    let tests = async {
-        machine.await?;
-        let (batched, current) = tokio::join!(batched, current);
-        batched.and(current)
-    };
-    // One task: the test passes wait on blocking threads, so the chaos runs keep going.
-    let (tests, chaos) = tokio::join!(tests, chaos);
-    tests.and(chaos)
+    crate::jobs::run_all(&binaries, credit, email).await
 }
 
 /// The binary `bin` that `cargo test --workspace --no-run` built (the process tests of the

@@ -22,11 +22,46 @@ pub fn cargo_step(what: &str, args: &[&str]) -> Result<(), String> {
 /// [`cargo_step`] with `env` set for cargo and what it runs.
 pub fn cargo_step_with(what: &str, args: &[&str], env: &[(&str, &OsStr)]) -> Result<(), String> {
     eprintln!("xtask: cargo {}", args.join(" "));
+    let status = cargo_command(args)
+        .envs(env.iter().copied())
+        .status()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{what} failed ({status})"))
+    }
+}
+
+/// Runs `cargo args` and returns what it printed on stdout (its messages go to stderr as they
+/// come), failing with `what` when it fails.
+pub fn cargo_output(what: &str, args: &[&str]) -> Result<String, String> {
+    eprintln!("xtask: cargo {}", args.join(" "));
+    let output = cargo_command(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run cargo: {e}"))?;
+    if output.status.success() {
+        String::from_utf8(output.stdout).map_err(|e| format!("{what}: cargo printed {e}"))
+    } else {
+        Err(format!("{what} failed ({})", output.status))
+    }
+}
+
+/// `cargo args` in the workspace's root, without the variables `cargo run` set for xtask.
+fn cargo_command(args: &[&str]) -> std::process::Command {
     let mut command = std::process::Command::new(cargo());
-    // What `cargo run` set for xtask itself (its package's name, version and manifest) is not
-    // the caller's environment: build scripts that watch such a variable (ring's watches
-    // CARGO_PKG_NAME, CARGO_MANIFEST_DIR and OUT_DIR) would find it changed since `cargo
-    // xtask` built xtask, and ring, rustls, async-nats and sqlx would be compiled again.
+    without_cargos_own_env(&mut command);
+    command.args(args).current_dir(root());
+    command
+}
+
+/// Removes from `command`'s environment what `cargo run` set for xtask itself (its package's
+/// name, version and manifest): that is not the caller's environment. Build scripts that watch
+/// such a variable (ring's watches CARGO_PKG_NAME, CARGO_MANIFEST_DIR and OUT_DIR) would find it
+/// changed since `cargo xtask` built xtask, and ring, rustls, async-nats and sqlx would be
+/// compiled again.
+pub fn without_cargos_own_env(command: &mut std::process::Command) {
     for (name, _) in std::env::vars_os() {
         let watched = name.to_str().is_some_and(|n| {
             n.starts_with("CARGO_PKG_")
@@ -45,21 +80,10 @@ pub fn cargo_step_with(what: &str, args: &[&str], env: &[(&str, &OsStr)]) -> Res
             command.env_remove(name);
         }
     }
-    let status = command
-        .args(args)
-        .envs(env.iter().copied())
-        .current_dir(root())
-        .status()
-        .map_err(|e| format!("cannot run cargo: {e}"))?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(format!("{what} failed ({status})"))
-    }
 }
 
 /// The cargo that runs us.
-fn cargo() -> String {
+pub fn cargo() -> String {
     std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())
 }
 

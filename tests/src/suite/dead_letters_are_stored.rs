@@ -138,6 +138,8 @@ async fn repro_unstorable_letter_on_the_last_delivery_is_lost<B: TestBackend>() 
         "the letter is kept in the database"
     );
     assert!(nats.dead_letters().await.is_empty());
+    // The term is sent without a reply and applied by the server on its own time: wait for it.
+    nats.wait_drained("c").await;
     let info = nats.info("c").await;
     assert_eq!(info.delivered.consumer_sequence, MAX_DELIVER as u64);
     assert_eq!(info.ack_floor.stream_sequence, 1, "the original is termed");
