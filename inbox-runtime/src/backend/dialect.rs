@@ -242,6 +242,11 @@ pub trait Backend: sqlx::Database + Generic {
     /// SELECT of pending rows ends with ([`RelayTurns::fetch_suffix`]).
     const RELAY_TURNS: RelayTurns = RelayTurns::SkipLocked;
 
+    /// What an INSERT into the outbox's table of failed rows ends with, so that a row recorded
+    /// as failed already (by a relay whose SQLite lease ran out mid-pass, and the relay that
+    /// took it over) is left as it is rather than failing the pass.
+    const KEEP_FIRST_FAILURE: &'static str = " ON CONFLICT (id) DO NOTHING";
+
     /// The function that gives the length in bytes of a text or binary value.
     const BYTE_LENGTH: &'static str = "octet_length";
 

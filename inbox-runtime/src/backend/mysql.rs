@@ -158,6 +158,10 @@ impl Backend for MySql {
         .into_sql_str()
     }
 
+    // The failed row's id is its primary key; `id = id` changes nothing (never `INSERT
+    // IGNORE`, which turns other errors into warnings).
+    const KEEP_FIRST_FAILURE: &'static str = " ON DUPLICATE KEY UPDATE id = id";
+
     fn param(_: usize) -> String {
         "?".to_owned()
     }

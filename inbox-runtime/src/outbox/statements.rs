@@ -49,10 +49,11 @@ impl OutboxStatements {
             )),
             fetch: fetch_sql::<DB>(table, 0),
             fail: sql(format!(
-                "INSERT INTO {table}_failed (id, order_key, error) VALUES ({}, {}, {})",
+                "INSERT INTO {table}_failed (id, order_key, error) VALUES ({}, {}, {}){}",
                 p(1),
                 p(2),
-                p(3)
+                p(3),
+                DB::KEEP_FIRST_FAILURE
             )),
             failed: sql(format!(
                 "SELECT o.id, o.msg_id, o.subject, o.order_key, f.error, \

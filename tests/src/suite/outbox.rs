@@ -20,7 +20,9 @@
 //!   key, and `enqueue` refuses such messages up front;
 //! - a relay that panics is started again by the App, whose workers go on;
 //! - a relay that stops ends its turn (SQLite's lease): the next one takes over at once;
-//! - a pass loads no more payload bytes than its budget (`Relay::max_bytes`), one row at least.
+//! - a pass loads no more payload bytes than its budget (`Relay::max_bytes`), one row at least;
+//! - a refused row that two relays record as failed (SQLite: a turn that lapsed mid-pass) is
+//!   kept once, and neither relay's pass fails.
 
 use super::setup;
 use crate::backends::TestBackend;
@@ -752,6 +754,67 @@ async fn a_relay_that_stops_lets_the_next_one_take_over_at_once<B: TestBackend>(
     assert_eq!(relaying.await.unwrap().published, 1);
 }
 
+/// The test. A relay whose turn lapses while it holds a pass (SQLite's lease, run out during a
+/// pause longer than it) and the relay that takes the turn over both find a row NATS refuses, and
+/// both record it as failed: the second record changes nothing. Before, its INSERT broke the
+/// failed rows' primary key and failed the first relay's pass. PostgreSQL and MySQL lock the row
+/// for the first relay's pass, so the second takes nothing there.
+async fn a_refusal_recorded_twice_is_kept_once<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let max = nats.js.client().server_info().max_payload;
+    // Committed before any relay told the outbox the server's limit.
+    commit(
+        &outbox,
+        [OutboxMessage::new(&*events.subject, vec![b'x'; max + 1]).order_key("big")],
+    )
+    .await;
+    let (held, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let (on_hold, on_release) = (Arc::clone(&held), Arc::clone(&release));
+    let first_pass = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let first = Relay::new(outbox.clone()).before_mark(Arc::new(move || {
+        let (held, release) = (Arc::clone(&on_hold), Arc::clone(&on_release));
+        let first = first_pass.swap(false, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if first {
+                held.notify_one();
+                release.notified().await;
+            }
+        }
+        .boxed()
+    }));
+    let js = nats.js.clone();
+    let first_run = tokio::spawn(async move { first.drain(&js).await });
+    tokio::time::timeout(DEADLINE, held.notified())
+        .await
+        .expect("the first relay to hold its pass");
+    if B::SINGLE_WRITER {
+        B::exec(
+            &db,
+            "UPDATE outbox_relay SET lease_until = '2000-01-01T00:00:00.000Z'",
+        )
+        .await;
+    }
+    let second = Relay::new(outbox.clone()).drain(&nats.js).await.unwrap();
+    let taken_over = u64::from(B::SINGLE_WRITER);
+    assert_eq!(second.failed, taken_over, "{second:?}");
+    release.notify_one();
+    let first = first_run
+        .await
+        .unwrap()
+        .expect("the first relay's pass, recording a refusal recorded already");
+    assert_eq!(first.failed, 1, "{first:?}");
+    let failed = outbox.failed(10).await.unwrap();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0].error.contains("max payload"), "{failed:?}");
+    assert_eq!(events.count().await, 0);
+}
+
 /// The test. A pass loads the oldest rows that fit its byte budget (and always one): five rows
 /// of 600 bytes under a budget of 1,000 go in five passes, in order. Before, a pass loaded its
 /// whole batch (100 rows) whatever their size.
@@ -820,4 +883,5 @@ super::behaviours!(
     a_relay_that_panics_is_started_again_and_the_workers_go_on,
     a_relay_that_stops_lets_the_next_one_take_over_at_once,
     a_pass_loads_no_more_than_its_byte_budget,
+    a_refusal_recorded_twice_is_kept_once,
 );
