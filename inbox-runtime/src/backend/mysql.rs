@@ -189,6 +189,17 @@ impl Backend for MySql {
         ))
     }
 
+    fn writable_probe_sql(table: &TableName) -> String {
+        // The default DELETE of no row, waiting at most 1 s for the table's metadata lock (held
+        // by `LOCK TABLES .. WRITE` or an `ALTER TABLE`): a timeout there (1205) is an answer,
+        // since a read-only server or session refuses the DELETE before any lock wait. MariaDB
+        // reads the executable comment, MySQL 8 the optimizer hint; each ignores the other's.
+        format!(
+            "/*M!100301 SET STATEMENT lock_wait_timeout = 1 FOR */ \
+             DELETE /*+ SET_VAR(lock_wait_timeout = 1) */ FROM {table} WHERE 1 = 0"
+        )
+    }
+
     fn downcast_database_error<'e>(
         err: &'e (dyn std::error::Error + 'static),
     ) -> Option<&'e dyn sqlx::error::DatabaseError> {

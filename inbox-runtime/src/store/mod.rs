@@ -175,14 +175,14 @@ impl<DB: InboxBackend> Inbox<DB> {
 
     /// Whether the database can be reached and takes writes: a connection of its own (not one
     /// from the pool, which busy handlers may all hold), opened, given the writability probe
-    /// (`Backend::writable_probe_sql`: a standby fails it) and closed within 5 s. For health
+    /// (`Backend::writable_probe_sql`: a standby fails it; [`probed`]) and closed within 5 s. For health
     /// probes.
     pub(crate) async fn reachable(&self) -> bool {
         use sqlx::{ConnectOptions, Connection};
         let options = self.pool.connect_options();
         let ping = async {
             let mut conn = options.connect().await?;
-            DB::execute_raw(&mut conn, self.sql.writable.clone()).await?;
+            probed::<DB>(DB::execute_raw(&mut conn, self.sql.writable.clone()).await)?;
             conn.close().await
         };
         matches!(
@@ -192,23 +192,36 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// Whether the database answers and takes writes: a connection from the pool, given a write
-    /// that changes nothing, within 5 s. A connection that answers "read-only" (to a standby,
+    /// that changes nothing, within 5 s ([`probed`]). A connection that answers "read-only" (to a standby,
     /// say, after a failover) is closed rather than returned to the pool: a new one may reach the
     /// new primary.
     pub(crate) async fn answers(&self) -> bool {
         let ping = async {
             let mut conn = self.pool.acquire().await?;
-            let written = DB::execute_raw(&mut conn, self.sql.writable.clone()).await;
+            let written = probed::<DB>(DB::execute_raw(&mut conn, self.sql.writable.clone()).await);
             if let Err(sqlx::Error::Database(e)) = &written
                 && DB::is_read_only_error(e.as_ref())
             {
                 conn.close_on_drop();
             }
-            written.map(|_| ())
+            written
         };
         matches!(
             tokio::time::timeout(Duration::from_secs(5), ping).await,
             Ok(Ok(()))
         )
+    }
+}
+
+/// What the writability probe's write came to: done, or refused only for a lock another session
+/// holds on the table (MySQL's probe waits 1 s for it, then fails with a lock wait timeout),
+/// which is an answer from a database that takes writes, since a read-only one refuses the write
+/// before any wait.
+fn probed<DB: InboxBackend>(
+    written: Result<DB::QueryResult, sqlx::Error>,
+) -> Result<(), sqlx::Error> {
+    match written {
+        Err(sqlx::Error::Database(e)) if DB::is_conflict_error(e.as_ref()) => Ok(()),
+        written => written.map(|_| ()),
     }
 }
