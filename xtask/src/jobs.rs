@@ -11,6 +11,7 @@
 
 use crate::workspace::{cargo_output, root, without_cargos_own_env};
 use crate::{chaos, nats_current};
+use futures::FutureExt;
 use inbox_testkit::Backend;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -128,7 +129,7 @@ pub async fn run_all(
     credit: PathBuf,
     email: PathBuf,
 ) -> Result<(), String> {
-    let jobs = plan(binaries);
+    let jobs = plan(binaries)?;
     eprintln!(
         "xtask: {} jobs over {} test binaries, {SLOTS} at a time; logs in {}",
         jobs.len(),
@@ -148,7 +149,14 @@ pub async fn run_all(
             let mut outcomes = Vec::new();
             while let Some(job) = Queue::take(&queue) {
                 let chaos = job.is_chaos();
-                outcomes.push(run_job(job, &credit, &email).await);
+                let label = job.label.clone();
+                // A panic is this job's failure, not the run's end.
+                let run = std::panic::AssertUnwindSafe(run_job(job, credit.clone(), email.clone()));
+                outcomes.push(run.catch_unwind().await.unwrap_or_else(|_| Outcome {
+                    label,
+                    took: Duration::ZERO,
+                    result: Err("xtask panicked running it".into()),
+                }));
                 if chaos {
                     queue
                         .lock()
@@ -215,9 +223,22 @@ pub fn build_tests() -> Result<Vec<TestBinary>, String> {
 }
 
 /// The jobs, longest first.
-fn plan(binaries: &[TestBinary]) -> Vec<Job> {
+fn plan(binaries: &[TestBinary]) -> Result<Vec<Job>, String> {
     let suite_dir = root().join("tests");
     let ui_dir = root().join("ui-tests");
+    // Told apart by their package's directory: a build that made neither would leave the
+    // batched mode with nothing to run, silently.
+    for (dir, what) in [
+        (&suite_dir, "the behaviour suite"),
+        (&ui_dir, "the UI tests"),
+    ] {
+        if !binaries.iter().any(|b| b.dir == *dir) {
+            return Err(format!(
+                "the test build made no binary of {what} (package in {})",
+                dir.display()
+            ));
+        }
+    }
     let mut jobs = Vec::new();
     for current in [false, true] {
         for backend in Backend::ALL {
@@ -232,10 +253,15 @@ fn plan(binaries: &[TestBinary]) -> Vec<Job> {
     for mode in [Mode::Machine, Mode::Batched, Mode::Current] {
         for binary in binaries {
             let in_suite = binary.dir == suite_dir;
-            // Batched changes only the behaviour suite's workers; the UI tests talk to no server.
-            if (mode == Mode::Batched && !in_suite)
-                || (mode != Mode::Machine && binary.dir == ui_dir)
-            {
+            let skipped = match mode {
+                Mode::Machine => false,
+                // Batched changes only the behaviour suite's workers.
+                Mode::Batched => !in_suite,
+                // What talks to NATS: the integration and process tests and the suite; not the
+                // unit tests, nor the UI tests (which only compile).
+                Mode::Current => binary.dir == ui_dir || (binary.kind != "test" && !in_suite),
+            };
+            if skipped {
                 continue;
             }
             let label = format!("{}: {} {}", mode.name(), binary.kind, binary.name);
@@ -272,7 +298,7 @@ fn plan(binaries: &[TestBinary]) -> Vec<Job> {
     });
     // Stable: among equals, the order above (chaos, then the machine's, batched, current).
     jobs.sort_by_key(|job| std::cmp::Reverse(job.weight));
-    jobs
+    Ok(jobs)
 }
 
 /// The behaviour suite cut by backend: one part per backend's tests, one for the rest.
@@ -309,7 +335,7 @@ fn logs_dir() -> PathBuf {
 
 /// Runs `job`, prints its output when it has ended (all of it when it failed, its results when
 /// it passed), and says how it went.
-async fn run_job(job: Job, credit: &Path, email: &Path) -> Outcome {
+async fn run_job(job: Job, credit: PathBuf, email: PathBuf) -> Outcome {
     let started = Instant::now();
     let file_name: String = job
         .label
@@ -324,7 +350,11 @@ async fn run_job(job: Job, credit: &Path, email: &Path) -> Outcome {
             let mut options = chaos::Options::short();
             options.common.backends = vec![backend];
             options.common.current_nats = current;
-            chaos::run_with(options, credit, email).await
+            match tokio::time::timeout(JOB_LIMIT, chaos::run_with(options, &credit, &email)).await {
+                Ok(result) => result,
+                // Dropped: its processes and servers are killed with their handles.
+                Err(_) => Err(format!("still running after {JOB_LIMIT:?}, stopped")),
+            }
         }
         Work::Cargo(args) => {
             let mut command = tokio::process::Command::new(crate::workspace::cargo());
@@ -403,11 +433,17 @@ async fn run_logged(
     let status = match tokio::time::timeout(JOB_LIMIT, child.wait()).await {
         Ok(status) => Some(status.map_err(|e| format!("waiting for {label}: {e}"))?),
         Err(_) => {
+            // With what it started (servers, example processes), which would hold ports and
+            // CPU for the rest of the run.
+            if let Some(pid) = child.id() {
+                kill_tree(pid);
+            }
             let _ = child.kill().await;
             None
         }
     };
-    let output = std::fs::read_to_string(log).unwrap_or_default();
+    // Lossy: one byte that is not UTF-8 must not hide a failure's output.
+    let output = String::from_utf8_lossy(&std::fs::read(log).unwrap_or_default()).into_owned();
     let passed = status.is_some_and(|s| s.success());
     let shown: String = if passed {
         output
@@ -428,6 +464,42 @@ async fn run_logged(
             log.display()
         )),
     }
+}
+
+/// Kills `pid` and every process under it (Linux: read from `/proc`; elsewhere only `pid`,
+/// which the caller kills).
+fn kill_tree(pid: u32) {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return;
+    };
+    // Each process's parent: the fourth field of /proc/PID/stat, after the command's ")".
+    let parents: Vec<(u32, u32)> = entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let after = &stat[stat.rfind(')')? + 1..];
+            let parent = after.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, parent))
+        })
+        .collect();
+    let mut tree = vec![pid];
+    let mut at = 0;
+    while at < tree.len() {
+        let parent = tree[at];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|(_, p)| *p == parent)
+                .map(|(c, _)| *c),
+        );
+        at += 1;
+    }
+    let pids: Vec<String> = tree.iter().map(u32::to_string).collect();
+    let _ = std::process::Command::new("kill")
+        .arg("-KILL")
+        .args(&pids)
+        .status();
 }
 
 /// Prints each job's time, longest first, and the failures; fails when any job failed.
@@ -461,4 +533,72 @@ fn summarise(outcomes: &[Outcome], took: Duration) -> Result<(), String> {
             .collect::<Vec<_>>()
             .join(", ")
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::BufRead;
+
+    /// Whether `pid` is gone or dead (a zombie nobody reaped yet).
+    fn dead(pid: u32) -> bool {
+        std::fs::read_to_string(format!("/proc/{pid}/stat")).map_or(true, |stat| {
+            stat[stat.rfind(')').map_or(0, |i| i + 1)..]
+                .split_whitespace()
+                .next()
+                .is_some_and(|state| state == "Z" || state == "X")
+        })
+    }
+
+    #[test]
+    fn kill_tree_kills_what_the_process_started() {
+        let mut shell = std::process::Command::new("sh")
+            .args(["-c", "sleep 300 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("sh");
+        let mut line = String::new();
+        std::io::BufReader::new(shell.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the sleep's pid");
+        let sleep: u32 = line.trim().parse().expect("a pid");
+        assert!(!dead(sleep), "the sleep runs");
+        kill_tree(shell.id());
+        assert!(!shell.wait().expect("sh ends").success());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !dead(sleep) {
+            assert!(Instant::now() < deadline, "the sleep {sleep} still runs");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn the_suite_parts_cover_each_backend_once_and_the_rest() {
+        let parts = suite_parts();
+        let matched = |name: &str| {
+            parts
+                .iter()
+                .filter(|(_, args)| {
+                    let skips: Vec<&String> = args
+                        .iter()
+                        .skip_while(|a| *a != "--skip")
+                        .filter(|a| *a != "--skip")
+                        .collect();
+                    let filters: Vec<&String> =
+                        args.iter().take_while(|a| *a != "--skip").collect();
+                    (filters.is_empty() || filters.iter().any(|f| name.contains(f.as_str())))
+                        && !skips.iter().any(|s| name.contains(s.as_str()))
+                })
+                .count()
+        };
+        for name in [
+            "suite::outbox::postgres::commit_wakes_the_relay",
+            "suite::outbox::postgres_partitioned::commit_wakes_the_relay",
+            "suite::outbox::mysql::commit_wakes_the_relay",
+            "suite::outbox::sqlite::commit_wakes_the_relay",
+            "backends::tests::something_else",
+        ] {
+            assert_eq!(matched(name), 1, "{name}");
+        }
+    }
 }
