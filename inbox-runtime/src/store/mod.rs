@@ -192,13 +192,17 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// Whether the database answers and takes writes: a connection from the pool, given a write
-    /// that changes nothing, within 5 s ([`probed`]). A connection that answers "read-only" (to a standby,
+    /// that changes nothing, within 5 s. A connection that answers "read-only" (to a standby,
     /// say, after a failover) is closed rather than returned to the pool: a new one may reach the
-    /// new primary.
+    /// new primary. Unlike [`Inbox::reachable`], a write held up by a lock on the table (MySQL)
+    /// is no answer here: the circuit and the worker's check after a deadline ask it, and while
+    /// a lock blocks the inbox table no message can be processed, so none may spend a delivery.
     pub(crate) async fn answers(&self) -> bool {
         let ping = async {
             let mut conn = self.pool.acquire().await?;
-            let written = probed::<DB>(DB::execute_raw(&mut conn, self.sql.writable.clone()).await);
+            let written = DB::execute_raw(&mut conn, self.sql.writable.clone())
+                .await
+                .map(|_| ());
             if let Err(sqlx::Error::Database(e)) = &written
                 && DB::is_read_only_error(e.as_ref())
             {
@@ -213,10 +217,10 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
-/// What the writability probe's write came to: done, or refused only for a lock another session
-/// holds on the table (MySQL's probe waits 1 s for it, then fails with a lock wait timeout),
-/// which is an answer from a database that takes writes, since a read-only one refuses the write
-/// before any wait.
+/// What the health probe's write came to: done, or refused only for a lock another session holds
+/// on the table (MySQL's probe waits 1 s for it, then fails with a lock wait timeout), which is
+/// an answer from a database that takes writes (a read-only one refuses the write before any
+/// wait): the process is healthy, and restarting it would not help.
 fn probed<DB: InboxBackend>(
     written: Result<DB::QueryResult, sqlx::Error>,
 ) -> Result<(), sqlx::Error> {
