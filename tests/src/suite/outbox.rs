@@ -112,6 +112,34 @@ async fn outbox<DB: inbox_runtime::InboxBackend>(pool: sqlx::Pool<DB>) -> Outbox
     outbox
 }
 
+/// A [`Relay::before_mark`] hook that holds the relay's first pass after its PubAcks, before it
+/// records them: `held` is notified once it holds, and it goes on when `release` is notified.
+/// Later passes go through.
+fn hold_first_pass() -> (
+    inbox_runtime::RelayHook,
+    Arc<tokio::sync::Notify>,
+    Arc<tokio::sync::Notify>,
+) {
+    let (held, release) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    let (on_hold, on_release) = (Arc::clone(&held), Arc::clone(&release));
+    let first_pass = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let hook: inbox_runtime::RelayHook = Arc::new(move || {
+        let (held, release) = (Arc::clone(&on_hold), Arc::clone(&on_release));
+        let first = first_pass.swap(false, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            if first {
+                held.notify_one();
+                release.notified().await;
+            }
+        }
+        .boxed()
+    });
+    (hook, held, release)
+}
+
 /// Runs `relay` on a task of its own until the token.
 fn run<DB: inbox_runtime::InboxBackend>(
     relay: Relay<DB>,
@@ -367,25 +395,8 @@ async fn two_relays_publish_each_row_once_in_key_order<B: TestBackend>() {
     let total = messages.len() as u64;
     commit(&outbox, messages).await;
 
-    let (held, release) = (
-        Arc::new(tokio::sync::Notify::new()),
-        Arc::new(tokio::sync::Notify::new()),
-    );
-    let (on_hold, on_release) = (Arc::clone(&held), Arc::clone(&release));
-    let first_pass = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let first = Relay::new(outbox.clone())
-        .batch(50)
-        .before_mark(Arc::new(move || {
-            let (held, release) = (Arc::clone(&on_hold), Arc::clone(&on_release));
-            let first = first_pass.swap(false, std::sync::atomic::Ordering::SeqCst);
-            async move {
-                if first {
-                    held.notify_one();
-                    release.notified().await;
-                }
-            }
-            .boxed()
-        }));
+    let (hold, held, release) = hold_first_pass();
+    let first = Relay::new(outbox.clone()).batch(50).before_mark(hold);
     let first_stats = first.stats_handle();
     let (stop_first, first_run) = run(first, &nats.js);
     tokio::time::timeout(DEADLINE, held.notified())
@@ -771,23 +782,8 @@ async fn a_refusal_recorded_twice_is_kept_once<B: TestBackend>() {
         [OutboxMessage::new(&*events.subject, vec![b'x'; max + 1]).order_key("big")],
     )
     .await;
-    let (held, release) = (
-        Arc::new(tokio::sync::Notify::new()),
-        Arc::new(tokio::sync::Notify::new()),
-    );
-    let (on_hold, on_release) = (Arc::clone(&held), Arc::clone(&release));
-    let first_pass = Arc::new(std::sync::atomic::AtomicBool::new(true));
-    let first = Relay::new(outbox.clone()).before_mark(Arc::new(move || {
-        let (held, release) = (Arc::clone(&on_hold), Arc::clone(&on_release));
-        let first = first_pass.swap(false, std::sync::atomic::Ordering::SeqCst);
-        async move {
-            if first {
-                held.notify_one();
-                release.notified().await;
-            }
-        }
-        .boxed()
-    }));
+    let (hold, held, release) = hold_first_pass();
+    let first = Relay::new(outbox.clone()).before_mark(hold);
     let js = nats.js.clone();
     let first_run = tokio::spawn(async move { first.drain(&js).await });
     tokio::time::timeout(DEADLINE, held.notified())
