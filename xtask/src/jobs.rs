@@ -13,7 +13,6 @@ use crate::workspace::{cargo_output, root, without_cargos_own_env};
 use crate::{chaos, nats_current};
 use futures::FutureExt;
 use inbox_testkit::Backend;
-use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -44,8 +43,8 @@ pub struct TestBinary {
 enum Mode {
     /// The machine's nats-server, message by message.
     Machine,
-    /// The machine's nats-server, every worker of the behaviour suite batched (8 messages per
-    /// transaction, `INBOX_TEST_BATCH`): both modes keep the same contract.
+    /// The machine's nats-server, every worker of the behaviour suite batched
+    /// ([`crate::test::BATCHED_ENV`]).
     Batched,
     /// A private current nats-server ([`nats_current::VERSION`]).
     Current,
@@ -396,14 +395,12 @@ async fn run_binary(
     match mode {
         Mode::Machine => {}
         Mode::Batched => {
-            command.env("INBOX_TEST_BATCH", "8");
+            let (name, value) = crate::test::BATCHED_ENV;
+            command.env(name, value);
         }
         Mode::Current => {
-            let binary = nats_current::binary()?;
-            let nats = inbox_testkit::PrivateNats::start_binary(binary.clone()).await?;
-            command
-                .env("INBOX_TEST_NATS_URL", &nats.url)
-                .env(inbox_testkit::NATS_SERVER_ENV, OsString::from(binary));
+            let (nats, env) = nats_current::private_server().await?;
+            command.envs(env);
             server = Some(nats);
         }
     }

@@ -57,3 +57,23 @@ fn run(command: &mut Command) -> Result<(), String> {
         Err(format!("{shown} failed ({status})"))
     }
 }
+
+/// A private nats-server of [`VERSION`] for the shared server's role in the tests, and what
+/// points them at it: `INBOX_TEST_NATS_URL` at the server, and the testkit's
+/// [`inbox_testkit::NATS_SERVER_ENV`] at the binary, for the servers tests start themselves.
+/// The server stops when it is dropped.
+pub async fn private_server() -> Result<
+    (
+        inbox_testkit::PrivateNats,
+        [(&'static str, std::ffi::OsString); 2],
+    ),
+    String,
+> {
+    let binary = binary()?;
+    let server = inbox_testkit::PrivateNats::start_binary(binary.clone()).await?;
+    let env = [
+        ("INBOX_TEST_NATS_URL", std::ffi::OsString::from(&server.url)),
+        (inbox_testkit::NATS_SERVER_ENV, binary.into_os_string()),
+    ];
+    Ok((server, env))
+}

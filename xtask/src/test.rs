@@ -135,31 +135,26 @@ async fn blocking(
         .map_err(|e| format!("a test step panicked: {e}"))?
 }
 
-/// Runs `cargo args` with every worker of the behaviour suite batched (8 messages per
-/// transaction, `INBOX_TEST_BATCH`): both modes keep the same contract.
+/// What batches every worker of the behaviour suite (8 messages per transaction): both modes
+/// keep the same contract.
+pub const BATCHED_ENV: (&str, &str) = ("INBOX_TEST_BATCH", "8");
+
+/// Runs `cargo args` with every worker of the behaviour suite batched ([`BATCHED_ENV`]).
 fn batched_tests(args: &[&str]) -> Result<(), String> {
-    let batch = std::ffi::OsString::from("8");
+    let (name, value) = BATCHED_ENV;
     cargo_step_with(
         "batched tests",
         args,
-        &[("INBOX_TEST_BATCH", batch.as_os_str())],
+        &[(name, std::ffi::OsStr::new(value))],
     )
 }
 
-/// Runs `cargo args` against a current nats-server ([`nats_current::VERSION`]): a private one
-/// for the shared server's role, and the same binary for the servers tests start themselves.
+/// Runs `cargo args` against a current nats-server ([`nats_current::private_server`]).
 async fn on_current_nats(args: &[&str]) -> Result<(), String> {
-    let binary = nats_current::binary()?;
-    let server = inbox_testkit::PrivateNats::start_binary(binary.clone()).await?;
+    let (server, env) = nats_current::private_server().await?;
     let what = format!("tests on nats-server {}", nats_current::VERSION);
     eprintln!("xtask: {what}, at {}", server.url);
-    let env = [
-        ("INBOX_TEST_NATS_URL", std::ffi::OsStr::new(&server.url)),
-        (inbox_testkit::NATS_SERVER_ENV, binary.as_os_str()),
-    ];
     let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-    let env: Vec<(&'static str, std::ffi::OsString)> =
-        env.iter().map(|(k, v)| (*k, v.to_os_string())).collect();
     let result = blocking(move || {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let env: Vec<(&str, &std::ffi::OsStr)> =
