@@ -118,10 +118,19 @@ fn is_connection_error<DB: InboxBackend>(err: &sqlx::Error) -> bool {
     }
 }
 
-/// Whether `err` says the database takes no writes now (a standby during a failover): the
-/// connection it came on should leave the pool, since a new one may reach the new primary.
-pub(crate) fn is_read_only<DB: InboxBackend>(err: &ProcessError) -> bool {
-    let db = match err {
+/// Whether `err` is, or wraps, a statement that ran out of time (`Backend::is_timeout_error`):
+/// a lock wait, a statement cut at the worker's deadline. The lock may be a row's, which is
+/// this message's matter, or the inbox table's, which every message would meet.
+pub(crate) fn is_timeout<DB: InboxBackend>(err: &ProcessError) -> bool {
+    database_error_in::<DB>(err).is_some_and(|db| DB::is_timeout_error(db))
+}
+
+/// The database error `err` is or wraps (the inbox's own statement's, or the first in a
+/// handler error's chain), if any.
+fn database_error_in<DB: InboxBackend>(
+    err: &ProcessError,
+) -> Option<&dyn sqlx::error::DatabaseError> {
+    match err {
         ProcessError::Database { source, .. } => source.as_database_error(),
         ProcessError::Handler(e) => chain(e.as_ref()).find_map(|e| {
             e.downcast_ref::<sqlx::Error>()
@@ -129,8 +138,13 @@ pub(crate) fn is_read_only<DB: InboxBackend>(err: &ProcessError) -> bool {
                 .or_else(|| database_error::<DB>(e))
         }),
         _ => None,
-    };
-    db.is_some_and(|db| DB::is_read_only_error(db))
+    }
+}
+
+/// Whether `err` says the database takes no writes now (a standby during a failover): the
+/// connection it came on should leave the pool, since a new one may reach the new primary.
+pub(crate) fn is_read_only<DB: InboxBackend>(err: &ProcessError) -> bool {
+    database_error_in::<DB>(err).is_some_and(|db| DB::is_read_only_error(db))
 }
 
 fn classify_handler_error<DB: InboxBackend>(

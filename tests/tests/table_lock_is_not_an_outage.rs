@@ -19,10 +19,12 @@
 //! locks.
 
 use inbox_runtime::App;
-use inbox_tests::NatsStream;
 use inbox_tests::backends::{MySql, Postgres, TestBackend};
+use inbox_tests::handlers::{Entry, Probe};
+use inbox_tests::{MAX_DELIVER, NatsStream, Running};
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_table_lock_does_not_fail_the_database_probe() {
@@ -82,4 +84,107 @@ async fn a_table_lock_does_not_fail_the_mysql_database_probe() {
         report.database,
         "the database probe failed while a table lock was held: {report:?}"
     );
+}
+
+/// Messages that meet a table lock on the inbox (held here past every delivery's tries: an
+/// `ALTER TABLE`, `VACUUM FULL` or partition DDL waiting on a long transaction, `LOCK TABLES`)
+/// cannot be processed, whichever message it is: the lock is an outage of the inbox, and no
+/// delivery may be spent on it. Before, PostgreSQL's check after a failed try (a lock timeout,
+/// or the deadline) asked a probe that touches no table, which said "up", so each try spent a
+/// delivery and the messages were dead-lettered at `max_deliver`. Now the circuit's probe writes
+/// to the inbox under a short lock wait, and a lock timeout asks it too: the circuit opens, the
+/// messages wait, and they are applied once when the lock goes.
+async fn a_held_table_lock_spends_no_delivery<B: TestBackend>(
+    lock: &'static [&'static str],
+    unlock: &'static str,
+    lock_timeout: Duration,
+    deadline: Duration,
+) {
+    const MESSAGES: i64 = 3;
+    let db = B::create(2).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    let ack_wait = Duration::from_secs(30);
+    let consumer = nats.consumer("c", ack_wait).await;
+    // One connection, which holds the lock (MySQL's `LOCK TABLES` belongs to its session).
+    let locker = B::connect(&db.url, 1).await;
+    for sql in lock {
+        B::exec_on(&locker, sql).await;
+    }
+    let inbox = B::inbox(B::connect_acquiring(&db.url, 4, Duration::from_millis(300)).await)
+        .lock_timeout(lock_timeout);
+    let worker = nats
+        .worker(inbox, consumer)
+        .deadline(deadline)
+        .concurrency(1)
+        .nak_delay(Duration::from_millis(50), Duration::from_millis(100))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.publish_all((0..MESSAGES).map(|i| Entry::new(format!("m-{i}"), i, 1).json()))
+        .await;
+    // Held for longer than `MAX_DELIVER` tries take, each ended by the lock wait or the
+    // deadline, with its in-process retries and nak delay.
+    let period = (lock_timeout.min(deadline) * 3 + Duration::from_millis(500)) * MAX_DELIVER as u32;
+    let mut poll = inbox_testkit::Poll::new("the lock to last", period * 2);
+    while poll.elapsed() < period {
+        let stats = worker.stats();
+        assert_eq!(
+            stats.terminated, 0,
+            "a message was dead-lettered while a table lock was held: {stats:?}"
+        );
+        let _ = poll.tick().await;
+    }
+    assert!(
+        worker.database_unreachable(),
+        "the circuit is closed while the inbox is locked: {:?}",
+        worker.stats()
+    );
+    B::exec_on(&locker, unlock).await;
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert!(
+        nats.dead_letters().await.is_empty(),
+        "messages dead-lettered: {stats:?}"
+    );
+    assert_eq!(
+        (stats.acked, stats.terminated),
+        (MESSAGES as u64, 0),
+        "{stats:?}"
+    );
+    inbox_tests::backends::assert_applied_once::<B>(&db, MESSAGES).await;
+    locker.close().await;
+}
+
+const PG_LOCK: &[&str] = &["BEGIN", "LOCK TABLE inbox IN ACCESS EXCLUSIVE MODE"];
+const MYSQL_LOCK: &[&str] = &["LOCK TABLES inbox WRITE"];
+
+/// The lock wait ends each try first (the inbox's `lock_timeout` below the deadline).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_table_lock_spends_no_delivery_at_its_lock_timeout() {
+    let (lock_timeout, deadline) = (Duration::from_millis(500), Duration::from_secs(2));
+    a_held_table_lock_spends_no_delivery::<Postgres>(PG_LOCK, "ROLLBACK", lock_timeout, deadline)
+        .await;
+}
+
+/// The deadline ends each try first (the inbox's default `lock_timeout`, 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_table_lock_spends_no_delivery_at_its_deadline() {
+    let (lock_timeout, deadline) = (Duration::from_secs(30), Duration::from_secs(1));
+    a_held_table_lock_spends_no_delivery::<Postgres>(PG_LOCK, "ROLLBACK", lock_timeout, deadline)
+        .await;
+}
+
+/// MariaDB: DML waits for `LOCK TABLES`' metadata lock (`lock_wait_timeout`, a year by
+/// default), so the deadline ends each try, whatever the inbox's lock timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_mysql_table_lock_spends_no_delivery() {
+    let (lock_timeout, deadline) = (Duration::from_secs(1), Duration::from_secs(2));
+    a_held_table_lock_spends_no_delivery::<MySql>(
+        MYSQL_LOCK,
+        "UNLOCK TABLES",
+        lock_timeout,
+        deadline,
+    )
+    .await;
 }

@@ -105,6 +105,15 @@ pub trait Backend: sqlx::Database + Generic {
         format!("DELETE FROM {table} WHERE 1 = 0")
     }
 
+    /// A write that changes nothing in `table` and waits at most about a second for a lock
+    /// that excludes writers from it: fails where the database takes no writes, and fails
+    /// (with a lock wait error) while a table lock keeps every message out of the inbox. What
+    /// the circuit asks, unlike the health check's [`Backend::writable_probe_sql`]. By default
+    /// the same statement.
+    fn inbox_probe_sql(table: &TableName) -> String {
+        Self::writable_probe_sql(table)
+    }
+
     /// Where lease arithmetic follows the session's time zone (MySQL: `TIMESTAMP` values are
     /// converted to and from it, and a local time in the repeated hour of a DST change is
     /// ambiguous): the statements that put the session in UTC and back, run around every lease
@@ -122,6 +131,16 @@ pub trait Backend: sqlx::Database + Generic {
     /// Whether a database error is a conflict with another transaction (deadlock,
     /// serialization failure, lock wait timeout, busy): transient, and no statement's fault.
     fn is_conflict_error(err: &dyn sqlx::error::DatabaseError) -> bool;
+
+    /// Whether a database error says a statement ran out of time: a lock wait that timed out
+    /// (PostgreSQL 55P03, MySQL 1205), a statement cut by its bound, the worker's deadline
+    /// (PostgreSQL 57014, MariaDB 1969). The lock may be a row's (a twin's claim, another
+    /// transaction) or the whole table's (DDL, `LOCK TABLE`), which every message would meet;
+    /// the worker then asks [`Backend::inbox_probe_sql`] which. `false` by default.
+    fn is_timeout_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        let _ = err;
+        false
+    }
 
     /// The statement that begins a message's transaction, waiting at most `lock_timeout`
     /// for any lock (a twin blocked behind a frozen peer's transaction must not wait for as

@@ -189,6 +189,14 @@ impl Backend for MySql {
         ))
     }
 
+    fn is_timeout_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 1205 lock wait timeout (`innodb_lock_wait_timeout` for a row, `lock_wait_timeout`
+        // for a table's metadata lock), 1969 `max_statement_time` exceeded (MariaDB), 3024
+        // `max_execution_time` exceeded (MySQL).
+        err.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|e| matches!(e.number(), 1205 | 1969 | 3024))
+    }
+
     fn writable_probe_sql(table: &TableName) -> String {
         // The default DELETE of no row, waiting at most 1 s for the table's metadata lock (held
         // by `LOCK TABLES .. WRITE` or an `ALTER TABLE`): a timeout there (1205) is an answer,

@@ -154,6 +154,23 @@ impl Backend for Postgres {
             .to_owned()
     }
 
+    fn inbox_probe_sql(table: &TableName) -> String {
+        // The DELETE of no row the health check's probe avoids: it takes the table's ROW
+        // EXCLUSIVE lock, so it waits behind an ACCESS EXCLUSIVE one, for 1 s at most (the
+        // setting is the DO statement's own transaction's), then fails with 55P03; a standby
+        // or a read-only session refuses it with 25006.
+        format!(
+            "DO $probe$ BEGIN PERFORM set_config('lock_timeout', '1000', true); \
+             DELETE FROM {table} WHERE false; END $probe$"
+        )
+    }
+
+    fn is_timeout_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 55P03 lock_not_available (`lock_timeout` ran out), 57014 query_canceled
+        // (`statement_timeout` ran out, or a cancel request).
+        err.code().is_some_and(|c| matches!(&*c, "55P03" | "57014"))
+    }
+
     fn is_read_only_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // 25006 read_only_sql_transaction: a hot standby, or default_transaction_read_only.
         err.code().is_some_and(|c| c == "25006")

@@ -38,6 +38,9 @@ pub(crate) struct InboxStatements {
     pub claims: ClaimStatements,
     /// A write that changes nothing: whether the database takes writes (a standby does not).
     pub writable: SqlStr,
+    /// A write that changes nothing in the inbox, waiting briefly for its table lock: whether
+    /// messages can be processed at all (see `Backend::inbox_probe_sql`).
+    pub inbox_probe: SqlStr,
 }
 
 /// The statements of two-phase claims (`store/two_phase.rs`). A claim is open while `processed_at` is NULL
@@ -185,6 +188,7 @@ impl InboxStatements {
                 DB::param(1)
             )),
             writable: sql(DB::writable_probe_sql(table)),
+            inbox_probe: sql(DB::inbox_probe_sql(table)),
             claim: DB::claim_sql(table, layout),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(

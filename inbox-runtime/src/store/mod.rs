@@ -191,16 +191,17 @@ impl<DB: InboxBackend> Inbox<DB> {
         )
     }
 
-    /// Whether the database answers and takes writes: a connection from the pool, given a write
-    /// that changes nothing, within 5 s. A connection that answers "read-only" (to a standby,
-    /// say, after a failover) is closed rather than returned to the pool: a new one may reach the
-    /// new primary. Unlike [`Inbox::reachable`], a write held up by a lock on the table (MySQL)
-    /// is no answer here: the circuit and the worker's check after a deadline ask it, and while
-    /// a lock blocks the inbox table no message can be processed, so none may spend a delivery.
+    /// Whether the database answers and takes writes into the inbox: a connection from the
+    /// pool, given a write to the inbox that changes nothing (`Backend::inbox_probe_sql`),
+    /// within 5 s. A connection that answers "read-only" (to a standby, say, after a failover)
+    /// is closed rather than returned to the pool: a new one may reach the new primary. Unlike
+    /// [`Inbox::reachable`], a write held up by a lock on the inbox table is no answer here: the
+    /// circuit and the worker's check after a deadline or a lock timeout ask it, and while a
+    /// lock blocks the inbox table no message can be processed, so none may spend a delivery.
     pub(crate) async fn answers(&self) -> bool {
         let ping = async {
             let mut conn = self.pool.acquire().await?;
-            let written = DB::execute_raw(&mut conn, self.sql.writable.clone())
+            let written = DB::execute_raw(&mut conn, self.sql.inbox_probe.clone())
                 .await
                 .map(|_| ());
             if let Err(sqlx::Error::Database(e)) = &written

@@ -9,7 +9,7 @@ use super::transport_id::{StreamCreated, key_of};
 use super::verdict::{Verdict, retry_in_process, verdict};
 use super::{AckMode, Inner};
 use crate::backoff::Backoff;
-use crate::classify::{ErrorClass, classify, is_outage};
+use crate::classify::{ErrorClass, classify, is_outage, is_timeout};
 use crate::delivery::{Codec, Delivery};
 use crate::error::ProcessError;
 use crate::handler::{Handler, Outcome};
@@ -302,9 +302,13 @@ where
             // A lost connection in the chain may be another database's (a handler's own pool):
             // only when the inbox's database does not answer either is it an outage. A try cut
             // by the deadline while the database does not answer (waiting for a connection, a
-            // statement on a connection that went silent) is one too, not a spent delivery.
-            let may_be_outage =
-                is_outage::<H::Db>(&err) || matches!(err, ProcessError::Deadline(_));
+            // statement on a connection that went silent) is one too, not a spent delivery; so
+            // is a statement cut by its own bound at the deadline, or a lock wait that timed out,
+            // while the inbox table itself is locked (DDL, `LOCK TABLE`), which the probe meets
+            // too, unlike a row's lock.
+            let may_be_outage = is_outage::<H::Db>(&err)
+                || is_timeout::<H::Db>(&err)
+                || matches!(err, ProcessError::Deadline(_));
             if may_be_outage && !self.inbox.answers().await {
                 // Every message would fail the same way: not this one's fault, so it spends no
                 // delivery. It waits, and its next try probes the database.
