@@ -23,7 +23,12 @@ pub struct TcpProxy {
     switched: tokio::sync::watch::Sender<u64>,
     /// While set, nothing is forwarded either way; see [`TcpProxy::freeze`].
     frozen: tokio::sync::watch::Sender<bool>,
+    /// Bytes of the server's replies replaced on their way; see [`TcpProxy::rewrite_replies`].
+    rewrite: Rewrite,
 }
+
+/// What [`TcpProxy::rewrite_replies`] replaces, and with what.
+type Rewrite = Arc<Mutex<Option<(Vec<u8>, Vec<u8>)>>>;
 
 impl TcpProxy {
     /// Reserves a free port; nothing listens there until [`TcpProxy::start`].
@@ -35,6 +40,7 @@ impl TcpProxy {
             upstream: Arc::default(),
             switched: tokio::sync::watch::Sender::new(0),
             frozen: tokio::sync::watch::Sender::new(false),
+            rewrite: Arc::default(),
         })
     }
 
@@ -47,6 +53,7 @@ impl TcpProxy {
         let (upstream, trap) = (self.upstream.clone(), self.trap.clone());
         let switched = self.switched.clone();
         let frozen = self.frozen.clone();
+        let rewrite = self.rewrite.clone();
         self.task = Some(tokio::spawn(async move {
             let mut links = JoinSet::new();
             while let Ok((inbound, _)) = listener.accept().await {
@@ -56,10 +63,11 @@ impl TcpProxy {
                 let upstream = upstream.lock().expect("the upstream lock").clone();
                 let trap = trap.clone();
                 let frozen = frozen.subscribe();
+                let rewrite = rewrite.clone();
                 links.spawn(async move {
                     if let Ok(outbound) = TcpStream::connect(&upstream).await {
                         tokio::select! {
-                            () = forward(inbound, outbound, trap, frozen) => {}
+                            () = forward(inbound, outbound, (trap, rewrite), frozen) => {}
                             _ = switched.changed() => {}
                         }
                     }
@@ -84,6 +92,15 @@ impl TcpProxy {
     /// effect. The needle is looked for in clear: the client must not use TLS.
     pub fn lose_reply_to(&self, needle: &[u8]) {
         *self.trap.lock().expect("the trap lock") = Some(needle.to_vec());
+    }
+
+    /// From now on, replaces `from` with `to` (of the same length, so that the protocol's
+    /// lengths still hold) in what the server sends, as a server that says something else would
+    /// (an older version, say). Only occurrences within one read are seen: for short values in
+    /// small replies, such as a version string.
+    pub fn rewrite_replies(&self, from: &[u8], to: &[u8]) {
+        assert_eq!(from.len(), to.len(), "a rewrite keeps the length");
+        *self.rewrite.lock().expect("the rewrite lock") = Some((from.to_vec(), to.to_vec()));
     }
 
     /// Whether the trap of [`TcpProxy::lose_reply_to`] has sprung.
@@ -118,7 +135,7 @@ impl TcpProxy {
 async fn forward(
     client: TcpStream,
     server: TcpStream,
-    trap: Arc<Mutex<Option<Vec<u8>>>>,
+    (trap, rewrite): (Arc<Mutex<Option<Vec<u8>>>>, Rewrite),
     frozen: tokio::sync::watch::Receiver<bool>,
 ) {
     let (mut client_rx, mut client_tx) = client.into_split();
@@ -146,6 +163,9 @@ async fn forward(
                 }
                 if frozen.wait_for(|f| !*f).await.is_err() {
                     return;
+                }
+                if let Some((from, to)) = &*rewrite.lock().expect("the rewrite lock") {
+                    replace_all(&mut buf[..n], from, to);
                 }
                 if client_tx.write_all(&buf[..n]).await.is_err() {
                     return;
@@ -182,6 +202,22 @@ async fn forward(
         }
         if server_tx.write_all(&buf[..n]).await.is_err() {
             break;
+        }
+    }
+}
+
+/// Replaces every `from` in `bytes` with `to`, of the same length.
+fn replace_all(bytes: &mut [u8], from: &[u8], to: &[u8]) {
+    if from.is_empty() {
+        return;
+    }
+    let mut at = 0;
+    while at + from.len() <= bytes.len() {
+        if &bytes[at..at + from.len()] == from {
+            bytes[at..at + from.len()].copy_from_slice(to);
+            at += from.len();
+        } else {
+            at += 1;
         }
     }
 }
