@@ -109,11 +109,17 @@ impl<DB: InboxBackend> Relay<DB> {
         Ok(full)
     }
 
-    /// Marks `done`'s rows sent, and records its failed rows, on `conn`.
+    /// Marks `done`'s rows sent, and records its failed rows, on `conn`. On the lease path
+    /// (no transaction) each write is counted as it lands, so that a failure further on leaves
+    /// what was written counted; in a transaction the caller counts after COMMIT.
     async fn record(&self, conn: &mut DB::Connection, done: &Published) -> Result<(), RelayError> {
         let sql = self.outbox.statements();
+        let written = DB::RELAY_TURNS == RelayTurns::Lease;
         if !done.sent.is_empty() {
             DB::execute_raw(&mut *conn, sql.mark_sent::<DB>(&done.sent)).await?;
+            if written {
+                self.count_marked(done.sent.len());
+            }
         }
         for failed in &done.failed {
             DB::outbox_fail(
@@ -124,21 +130,28 @@ impl<DB: InboxBackend> Relay<DB> {
                 &failed.error,
             )
             .await?;
-        }
-        if DB::RELAY_TURNS == RelayTurns::Lease {
-            // No transaction to commit: written already.
-            self.count_recorded(done);
+            if written {
+                self.count_failed(std::slice::from_ref(failed));
+            }
         }
         Ok(())
     }
 
     /// Counts and logs what [`Relay::record`] wrote, once it is committed.
     fn count_recorded(&self, done: &Published) {
+        self.count_marked(done.sent.len());
+        self.count_failed(&done.failed);
+    }
+
+    /// Counts `n` rows marked sent.
+    fn count_marked(&self, n: usize) {
+        self.counters.marked.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// Counts and logs rows recorded as failed.
+    fn count_failed(&self, failed: &[FailedSend]) {
         let table = self.outbox.table().as_str();
-        self.counters
-            .marked
-            .fetch_add(done.sent.len() as u64, Ordering::Relaxed);
-        for failed in &done.failed {
+        for failed in failed {
             tracing::error!(
                 outbox = table,
                 id = failed.id,
@@ -149,11 +162,11 @@ impl<DB: InboxBackend> Relay<DB> {
                 "NATS refuses outbox row for good: it is kept as failed, and its order key's later rows wait (Outbox::retry_failed or Outbox::discard_failed)"
             );
         }
-        if !done.failed.is_empty() {
+        if !failed.is_empty() {
             self.counters
                 .failed
-                .fetch_add(done.failed.len() as u64, Ordering::Relaxed);
-            crate::metrics::outbox_failed(table, done.failed.len() as u64);
+                .fetch_add(failed.len() as u64, Ordering::Relaxed);
+            crate::metrics::outbox_failed(table, failed.len() as u64);
         }
     }
 

@@ -31,7 +31,7 @@ use crate::{NatsStream, Running};
 use async_nats::jetstream::{self, stream};
 use futures::FutureExt;
 use inbox_runtime::{Outbox, OutboxMessage, Relay, RelayError};
-use inbox_testkit::{off_runtime, unique, wait_until};
+use inbox_testkit::{Backend, off_runtime, unique, wait_until};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -867,6 +867,71 @@ fn at_least(version: &str, wanted: (u64, u64)) -> bool {
     }
 }
 
+/// SQLite's relay writes a pass's marks and refusals without a transaction (its turn is a
+/// lease): when recording a refusal failed, the rows it had just marked sent (sent, and marked in
+/// the database) were missing from `RelayStats::marked`. Each write is counted as it lands now.
+/// The servers' relays write a pass in one transaction, which the failure rolls back whole: they
+/// count nothing, and the row is marked by a later pass.
+async fn rows_marked_before_a_failed_record_are_counted<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let max = nats.js.client().server_info().max_payload;
+    // Committed before any relay told the outbox the server's limit: refused at publish.
+    commit(
+        &outbox,
+        [
+            OutboxMessage::new(&*events.subject, b"good".to_vec()).order_key("good"),
+            OutboxMessage::new(&*events.subject, vec![b'x'; max + 1]).order_key("big"),
+        ],
+    )
+    .await;
+    // Recording the refusal fails (as it would on a lost connection).
+    let refuse: &[&'static str] = match B::BACKEND {
+        Backend::Postgres => &[
+            "CREATE FUNCTION no_failed() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$",
+            "CREATE TRIGGER no_failed BEFORE INSERT ON outbox_failed \
+             FOR EACH ROW EXECUTE FUNCTION no_failed()",
+        ],
+        Backend::MySql => &["CREATE TRIGGER no_failed BEFORE INSERT ON outbox_failed \
+             FOR EACH ROW SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'refused by the test'"],
+        Backend::Sqlite => &["CREATE TRIGGER no_failed BEFORE INSERT ON outbox_failed \
+             BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"],
+    };
+    for sql in refuse {
+        B::exec(&db, sql).await;
+    }
+    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(100));
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("the good row to be published", DEADLINE, || async {
+        events.count().await == 1
+    })
+    .await
+    .unwrap();
+    let sent = "SELECT count(*) FROM outbox WHERE sent_at IS NOT NULL";
+    if B::SINGLE_WRITER {
+        wait_until("the good row to be marked sent", DEADLINE, || async {
+            B::count(&db, sent).await == 1
+        })
+        .await
+        .unwrap();
+    }
+    stop.cancel();
+    let stats = relaying.await.expect("the relay's task");
+    if B::SINGLE_WRITER {
+        assert_eq!(
+            stats.marked, 1,
+            "a row marked sent is not counted: {stats:?}"
+        );
+    } else {
+        assert_eq!(stats.marked, 0, "a rolled-back mark is counted: {stats:?}");
+        assert_eq!(B::count(&db, sent).await, 0, "a mark outlived its rollback");
+    }
+    assert_eq!(stats.failed, 0, "{stats:?}");
+}
+
 super::behaviours!(
     handler_that_fails_after_publishing_publishes_nothing,
     commit_wakes_the_relay,
@@ -880,4 +945,5 @@ super::behaviours!(
     a_relay_that_stops_lets_the_next_one_take_over_at_once,
     a_pass_loads_no_more_than_its_byte_budget,
     a_refusal_recorded_twice_is_kept_once,
+    rows_marked_before_a_failed_record_are_counted,
 );
