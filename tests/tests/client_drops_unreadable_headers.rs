@@ -72,17 +72,37 @@ async fn the_client_drops_its_connection_on_an_unreadable_header() {
 /// A bare CR inside a header value is worse: async-nats 0.51 panics in the task that reads its
 /// connection (`HeaderValue::from(String)` asserts), and the client never recovers. Why the
 /// delivery-limit backstop of an `App` reads on the app's own connection, which is never
-/// delivered a stored message.
+/// delivered a stored message. One of the full runs saw a client answer for 20 s after such a
+/// message (once in some thirty runs, beside another test; never alone): so a client that
+/// survives is given up on, and a fresh client is sent the header again, up to three times.
+/// What is pinned is that the client can die of it; only when none of three does, it no longer
+/// does.
 #[tokio::test]
 async fn the_client_dies_on_a_carriage_return_in_a_header_value() {
     let url = inbox_tests::nats_url();
-    let client = async_nats::connect(&url)
+    let mut survived = 0;
+    for _ in 0..3 {
+        if client_dies_of_a_carriage_return(&url).await {
+            return;
+        }
+        survived += 1;
+    }
+    panic!(
+        "{survived} clients in a row survived a CR in a header value for 20 s: async-nats now \
+         survives it; revisit the backstop's connection"
+    );
+}
+
+/// Whether a client of its own, sent a message with a bare CR in a header value, stops answering
+/// within 20 s. Either way, the message must not have been handed over.
+async fn client_dies_of_a_carriage_return(url: &str) -> bool {
+    let client = async_nats::connect(url)
         .await
         .unwrap_or_else(|e| panic!("NATS is not reachable at {url}: {e}"));
     let subject = unique("pin.");
     let mut subscription = client.subscribe(subject.clone()).await.unwrap();
     client.flush().await.unwrap();
-    publish_raw_lines(&url, &subject, &[b"X-Cr: a\rb".to_vec()], b"payload")
+    publish_raw_lines(url, &subject, &[b"X-Cr: a\rb".to_vec()], b"payload")
         .await
         .unwrap();
     // A client that recovers answers a flush again soon; this one never does.
@@ -91,20 +111,17 @@ async fn the_client_dies_on_a_carriage_return_in_a_header_value() {
             .await
             .map_or(true, |flushed| flushed.is_err())
     };
-    wait_until(
+    let died = wait_until(
         "the client to stop answering",
         Duration::from_secs(20),
         dead,
     )
     .await
-    .unwrap_or_else(|e| {
-        panic!(
-            "{e}: async-nats now survives a CR in a header value; revisit the backstop's connection"
-        )
-    });
+    .is_ok();
     let next = tokio::time::timeout(Duration::from_millis(200), subscription.next()).await;
     assert!(
         !matches!(next, Ok(Some(ref m)) if &m.payload[..] == b"payload"),
         "the message was delivered"
     );
+    died
 }
