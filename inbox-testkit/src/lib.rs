@@ -16,7 +16,8 @@
 //!   [`PrimaryStandby`]: a primary with a streaming standby, to kill the primary and promote the
 //!   standby (failover);
 //! - [`TcpProxy`]: a forwarder that can be cut, or switched to another server;
-//! - [`wait_until`] and [`Poll`]: polling under a deadline (never a fixed sleep); [`unique`]
+//! - [`wait_until`] and [`Poll`]: polling under a deadline (never a fixed sleep); [`throughout`]:
+//!   what must hold all through a period; [`unique`]
 //!   names.
 //!
 //! Errors are one style throughout: `Result<_, String>`, the message naming what failed (the
@@ -43,7 +44,7 @@ pub use nats::{
 pub use pg::{PrimaryStandby, PrivatePostgres, Replication};
 pub use proxy::TcpProxy;
 pub use sink::{Flaky, Sink, SinkCall, overlaps, why_again};
-pub use wait::{Poll, wait_until};
+pub use wait::{Poll, throughout, wait_until};
 
 use std::future::Future;
 

@@ -71,6 +71,18 @@ pub async fn wait_until(
     Ok(())
 }
 
+/// Runs `check` again and again, at [`Poll`]'s pace, until `period` has passed: for what must
+/// stay true all the while a fault lasts (`check` asserts it, and panics at the first look where
+/// it does not hold).
+pub async fn throughout(period: Duration, mut check: impl AsyncFnMut()) {
+    let started = Instant::now();
+    let mut backoff = Backoff::new(FIRST_PAUSE, LONGEST_PAUSE);
+    while started.elapsed() < period {
+        check().await;
+        tokio::time::sleep(backoff.next()).await;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -81,6 +93,15 @@ mod tests {
             .await
             .unwrap_err();
         assert!(err.contains("godot"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn looks_until_the_period_has_passed() {
+        let started = Instant::now();
+        let mut looks = 0;
+        throughout(Duration::from_millis(100), async || looks += 1).await;
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        assert!(looks >= 2, "{looks}");
     }
 
     #[tokio::test]

@@ -74,15 +74,14 @@ async fn silent_database_dead_letters_nothing<B: TestBackend>() {
     // Silent longer than MAX_DELIVER tries cut at the deadline take (before, the first message
     // was dead-lettered within about eight seconds), and than an unacked delivery lasts.
     let period = Duration::from_secs(2) * MAX_DELIVER as u32 + ack_wait;
-    let mut poll = inbox_testkit::Poll::new("the silence to last", period);
-    while poll.elapsed() < period {
+    inbox_testkit::throughout(period, async || {
         let stats = worker.stats();
         assert_eq!(
             stats.terminated, 0,
             "a message was dead-lettered while the database was silent: {stats:?}"
         );
-        let _ = poll.tick().await;
-    }
+    })
+    .await;
     proxy.thaw();
     nats.wait_drained("c").await;
     let stats = run.stop().await;
@@ -176,8 +175,7 @@ async fn open_circuit_without_messages_closes_when_the_database_answers<B: TestB
     // While the database is cut off, the probe finds it so: the circuit stays open and nothing
     // is pulled (watched over several of the probe's tries).
     let period = Duration::from_secs(3);
-    let mut poll = inbox_testkit::Poll::new("the cut to last", period * 10);
-    while poll.elapsed() < period {
+    inbox_testkit::throughout(period, async || {
         assert!(
             worker.database_unreachable(),
             "the circuit closed while the database was cut off"
@@ -187,8 +185,8 @@ async fn open_circuit_without_messages_closes_when_the_database_answers<B: TestB
             0,
             "pulled while open"
         );
-        let _ = poll.tick().await;
-    }
+    })
+    .await;
     let (upstream, _) = inbox_tests::through_proxy(&db.url, proxy.port);
     proxy.start(&upstream).await.unwrap();
     wait_until(

@@ -39,16 +39,15 @@ async fn read_only_period_dead_letters_nothing<B: TestBackend>() {
     // Read-only for three ack_waits: far longer than MAX_DELIVER quick naks take (before, every
     // message was dead-lettered within about a second), and than an unacked delivery lasts.
     let period = ack_wait * 3;
-    let mut poll = inbox_testkit::Poll::new("the read-only period to last", period);
-    while poll.elapsed() < period {
+    inbox_testkit::throughout(period, async || {
         let stats = worker.stats();
         assert_eq!(
             (stats.terminated, stats.acked),
             (0, 0),
             "a message ended while the database took no writes: {stats:?}"
         );
-        let _ = poll.tick().await;
-    }
+    })
+    .await;
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 0);
     // Promoted: new connections take writes; those that said read-only must be gone.
     read_only.store(false, Ordering::SeqCst);

@@ -126,15 +126,14 @@ async fn a_held_table_lock_spends_no_delivery<B: TestBackend>(
     // Held for longer than `MAX_DELIVER` tries take, each ended by the lock wait or the
     // deadline, with its in-process retries and nak delay.
     let period = (lock_timeout.min(deadline) * 3 + Duration::from_millis(500)) * MAX_DELIVER as u32;
-    let mut poll = inbox_testkit::Poll::new("the lock to last", period * 2);
-    while poll.elapsed() < period {
+    inbox_testkit::throughout(period, async || {
         let stats = worker.stats();
         assert_eq!(
             stats.terminated, 0,
             "a message was dead-lettered while a table lock was held: {stats:?}"
         );
-        let _ = poll.tick().await;
-    }
+    })
+    .await;
     assert!(
         worker.database_unreachable(),
         "the circuit is closed while the inbox is locked: {:?}",
