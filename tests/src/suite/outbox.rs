@@ -112,6 +112,28 @@ async fn outbox<DB: inbox_runtime::InboxBackend>(pool: sqlx::Pool<DB>) -> Outbox
     outbox
 }
 
+/// A database with a migrated outbox, a NATS connection and a stream of this test's own for the
+/// announcements: what a relay test starts from.
+struct Relaying<B: TestBackend> {
+    db: crate::backends::TestDb<B::Db>,
+    outbox: Outbox<B::Db>,
+    nats: NatsStream,
+    events: Events,
+}
+
+async fn relaying<B: TestBackend>() -> Relaying<B> {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    Relaying {
+        db,
+        outbox,
+        nats,
+        events,
+    }
+}
+
 /// A [`Relay::before_mark`] hook that holds the relay's first pass after its PubAcks, before it
 /// records them: `held` is notified once it holds, and it goes on when `release` is notified.
 /// Later passes go through.
@@ -300,10 +322,12 @@ async fn commit_wakes_the_relay<B: TestBackend>() {
 
 /// The test.
 async fn poll_sends_a_row_nobody_woke_the_relay_for<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
+    let Relaying {
+        db: _db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
     let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(200));
     let (stop, relaying) = run(relay, &nats.js);
     // Committed as by a process that died right after COMMIT: no wake-up ever comes.
@@ -328,10 +352,12 @@ async fn poll_sends_a_row_nobody_woke_the_relay_for<B: TestBackend>() {
 
 /// The test.
 async fn relay_stopped_before_marking_sent_is_republished_once<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
+    let Relaying {
+        db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
     let messages = (0..3).map(|i| OutboxMessage::new(&*events.subject, format!("m{i}")));
     let ids = commit(&outbox, messages).await;
     // The first relay stops for good between its PubAcks and its mark.
@@ -548,10 +574,12 @@ async fn cleanup_deletes_sent_rows_after_the_retention<B: TestBackend>() {
 
 /// The test.
 async fn refused_rows_neither_panic_the_relay_nor_stall_other_keys<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
+    let Relaying {
+        db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
     let subject = &*events.subject;
     let max = nats.js.client().server_info().max_payload;
     // Written by another writer (or before the relay told the outbox the server's limit): a
@@ -725,10 +753,12 @@ async fn a_relay_that_panics_is_started_again_and_the_workers_go_on<B: TestBacke
 /// the next relay takes over at once rather than when the lease (here two minutes, longer than
 /// the test's deadline) runs out. Elsewhere it checks that a second relay takes over.
 async fn a_relay_that_stops_lets_the_next_one_take_over_at_once<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
+    let Relaying {
+        db: _db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
     let first = Relay::new(outbox.clone())
         .lease(Duration::from_secs(120))
         .poll_interval(Duration::from_millis(100));
@@ -771,10 +801,12 @@ async fn a_relay_that_stops_lets_the_next_one_take_over_at_once<B: TestBackend>(
 /// failed rows' primary key and failed the first relay's pass. PostgreSQL and MySQL lock the row
 /// for the first relay's pass, so the second takes nothing there.
 async fn a_refusal_recorded_twice_is_kept_once<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
+    let Relaying {
+        db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
     let max = nats.js.client().server_info().max_payload;
     // Committed before any relay told the outbox the server's limit.
     commit(
@@ -815,10 +847,12 @@ async fn a_refusal_recorded_twice_is_kept_once<B: TestBackend>() {
 /// of 600 bytes under a budget of 1,000 go in five passes, in order. Before, a pass loaded its
 /// whole batch (100 rows) whatever their size.
 async fn a_pass_loads_no_more_than_its_byte_budget<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
+    let Relaying {
+        db: _db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
     let ids = commit(
         &outbox,
         (0..5).map(|i| OutboxMessage::new(&*events.subject, vec![b'0' + i as u8; 600])),
@@ -873,10 +907,12 @@ fn at_least(version: &str, wanted: (u64, u64)) -> bool {
 /// The servers' relays write a pass in one transaction, which the failure rolls back whole: they
 /// count nothing, and the row is marked by a later pass.
 async fn rows_marked_before_a_failed_record_are_counted<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
+    let Relaying {
+        db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
     let max = nats.js.client().server_info().max_payload;
     // Committed before any relay told the outbox the server's limit: refused at publish.
     commit(
