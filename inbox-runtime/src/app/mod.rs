@@ -443,3 +443,11 @@ async fn shutdown_signal() {
         let _ = tokio::signal::ctrl_c().await;
     }
 }
+
+/// Fails to compile if an app's run cannot be spawned on a multi-threaded runtime.
+#[cfg(test)]
+#[allow(dead_code)]
+fn run_is_send<DB: InboxBackend>(app: App<DB>) {
+    fn send<T: Send>(_: &T) {}
+    send(&app.run_until(CancellationToken::new()));
+}

@@ -30,6 +30,7 @@ use crate::error::ProcessError;
 use crate::handler::Handler;
 use crate::stored::{self, Lookup};
 use async_nats::jetstream::consumer::{self, AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::context::CreateStreamError;
 use async_nats::jetstream::{self, AckKind, stream};
 use futures::{FutureExt, StreamExt};
 use std::panic::AssertUnwindSafe;
@@ -126,22 +127,27 @@ pub(crate) async fn ensure_stream(
     // the subjects overlap (with the stream the other is creating), and finds it when it asks
     // again.
     let mut tries = 0;
-    let mut found = loop {
+    let found = loop {
         match js.get_or_create_stream(config.clone()).await {
             Ok(found) => break found,
             Err(_) if tries < 3 => {
                 tries += 1;
                 tokio::time::sleep(std::time::Duration::from_millis(100 * tries)).await;
             }
-            Err(e) => {
-                return Err(format!(
-                    "creating stream {name:?} for the delivery-limit advisories of {stream}/{durable}: {e} (a stream that already takes {ours:?} can be named instead: WorkerBuilder::backstop, App::backstop)"
-                )
-                .into());
+            Err(source) => {
+                return Err(Box::new(CreateAdvisoryStream {
+                    name,
+                    stream: stream.into(),
+                    durable: durable.into(),
+                    ours,
+                    source,
+                }));
             }
         }
     };
-    let subjects = &found.info().await?.config.subjects;
+    // What the lookup or the creation answered: asking again would ask a cluster that may be
+    // electing a leader, whose answer can be a spurious "stream not found".
+    let subjects = &found.cached_info().config.subjects;
     if !subjects.iter().any(|s| covers(s, &ours)) {
         return Err(format!(
             "stream {name:?} exists but does not take the delivery-limit advisories {ours:?} (its subjects: {subjects:?})"
@@ -149,6 +155,33 @@ pub(crate) async fn ensure_stream(
         .into());
     }
     Ok(name)
+}
+
+/// Creating an advisory stream failed; its source is kept so that a caller can tell JetStream
+/// not answering yet from a refusal.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "creating stream {name:?} for the delivery-limit advisories of {stream}/{durable}: {source} (a stream that already takes {ours:?} can be named instead: WorkerBuilder::backstop, App::backstop)"
+)]
+struct CreateAdvisoryStream {
+    name: String,
+    stream: String,
+    durable: String,
+    ours: String,
+    source: CreateStreamError,
+}
+
+/// The error [`ensure_stream`] returns when JetStream refuses to create the advisory stream
+/// with `source`.
+#[cfg(test)]
+pub(crate) fn create_stream_failed(source: CreateStreamError) -> async_nats::Error {
+    Box::new(CreateAdvisoryStream {
+        name: "inbox_backstop_S".into(),
+        stream: "S".into(),
+        durable: "d".into(),
+        ours: format!("{ADVISORY_PREFIX}.S.d"),
+        source,
+    })
 }
 
 /// Whether subject filter `pattern` matches every subject `filter` matches (`>` and `*`

@@ -31,6 +31,8 @@ mod transport_id;
 mod upkeep;
 mod verdict;
 
+#[cfg(test)]
+pub(crate) use backstop::create_stream_failed as create_advisory_stream_error;
 pub(crate) use backstop::{AdvisoryStream, ensure_stream as ensure_advisory_stream};
 pub use backstop::{BACKSTOP_ERROR, advisory_stream_name};
 pub use builder::{AckMode, NoState, WorkerBuilder};
