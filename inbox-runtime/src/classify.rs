@@ -4,6 +4,7 @@
 use crate::backend::{InboxBackend, is_transient};
 use crate::error::{BoxError, ProcessError, chain};
 use sqlx::error::ErrorKind;
+use sqlx::pool::PoolConnection;
 use std::fmt;
 
 /// How a failure is treated.
@@ -145,6 +146,20 @@ fn database_error_in<DB: InboxBackend>(
 /// connection it came on should leave the pool, since a new one may reach the new primary.
 pub(crate) fn is_read_only<DB: InboxBackend>(err: &ProcessError) -> bool {
     database_error_in::<DB>(err).is_some_and(|db| DB::is_read_only_error(db))
+}
+
+/// Closes `conn` when it is released if `err` says the database takes no writes (a standby,
+/// after a failover): pooled again, it would refuse every later try, while a new connection may
+/// reach the new primary.
+pub(crate) fn close_if_read_only<DB: InboxBackend>(
+    conn: &mut PoolConnection<DB>,
+    err: &sqlx::Error,
+) {
+    if let sqlx::Error::Database(e) = err
+        && DB::is_read_only_error(e.as_ref())
+    {
+        conn.close_on_drop();
+    }
 }
 
 fn classify_handler_error<DB: InboxBackend>(

@@ -23,9 +23,12 @@ use crate::backend::fleet::{FleetLock, delete_in_batches};
 use crate::backend::{
     DEFAULT_LOCK_TIMEOUT, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns,
 };
+use crate::classify::close_if_read_only;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use sqlx::Connection;
+use sqlx::pool::PoolConnection;
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::sync::atomic::Ordering;
@@ -52,29 +55,38 @@ impl<DB: InboxBackend> Relay<DB> {
         // until their check is made again: their rows would otherwise fill every pass.
         let blocked = checks.blocked();
         let fetch = sql.fetch_without::<DB>(blocked.len());
+        // Every connection is held apart from its work: one that answers "read-only" (to a
+        // standby, after a failover) leaves the pool rather than refusing every later pass.
         if DB::RELAY_TURNS == RelayTurns::Lease {
             // The lease decides which relay reads; reading and publishing hold no lock,
             // marking is a short write of its own.
             let mut conn = pool.acquire().await?;
-            let held = DB::take_relay_lease(
-                &mut *conn,
-                sql.lease.clone(),
-                &self.owner,
-                self.lease.as_secs_f64(),
-            )
-            .await?;
-            if DB::rows_affected(&held) == 0 {
-                return Ok(false);
+            let read = async {
+                let held = DB::take_relay_lease(
+                    &mut *conn,
+                    sql.lease.clone(),
+                    &self.owner,
+                    self.lease.as_secs_f64(),
+                )
+                .await?;
+                if DB::rows_affected(&held) == 0 {
+                    return Ok(None);
+                }
+                let sizes = DB::outbox_sizes(&mut *conn, fetch, &blocked, limit).await?;
+                if sizes.is_empty() {
+                    return Ok(None);
+                }
+                let ids = within(&sizes, self.max_bytes);
+                let rows = DB::outbox_rows(&mut *conn, sql.rows(&ids)).await?;
+                let heads = heads::<DB>(&mut *conn, sql, &rows).await?;
+                Ok::<_, RelayError>(Some((sizes, rows, heads)))
             }
-            let sizes = DB::outbox_sizes(&mut *conn, fetch, &blocked, limit).await?;
-            if sizes.is_empty() {
+            .await;
+            let Some((sizes, rows, heads)) = closing_read_only(&mut conn, read)? else {
                 return Ok(false);
-            }
-            let ids = within(&sizes, self.max_bytes);
-            let rows = DB::outbox_rows(&mut *conn, sql.rows(&ids)).await?;
-            let taken = rows.len();
-            let heads = heads::<DB>(&mut *conn, sql, &rows).await?;
+            };
             drop(conn);
+            let taken = rows.len();
             let done = self.publish(js, checks, rows, &heads).await;
             // More may wait only when a whole batch (or as many rows as the byte budget let in)
             // went: a row held back or failing waits for the next wake-up or poll, rather than
@@ -84,29 +96,35 @@ impl<DB: InboxBackend> Relay<DB> {
             self.hook().await;
             if !done.sent.is_empty() || !done.failed.is_empty() {
                 let mut conn = pool.acquire().await?;
-                self.record(&mut *conn, &done).await?;
+                let recorded = self.record(&mut *conn, &done).await;
+                closing_read_only(&mut conn, recorded)?;
             }
             return Ok(full);
         }
-        let mut tx = DB::begin(pool, DB::begin_sql(DEFAULT_LOCK_TIMEOUT)).await?;
-        let sizes = DB::outbox_sizes(&mut *tx, fetch, &blocked, limit).await?;
-        if sizes.is_empty() {
+        let mut conn = pool.acquire().await?;
+        let passed = async {
+            let mut tx = conn.begin_with(DB::begin_sql(DEFAULT_LOCK_TIMEOUT)).await?;
+            let sizes = DB::outbox_sizes(&mut *tx, fetch, &blocked, limit).await?;
+            if sizes.is_empty() {
+                tx.commit().await?;
+                return Ok(false);
+            }
+            // Locked are all of `sizes`; loaded, the oldest that fit the byte budget.
+            let ids = within(&sizes, self.max_bytes);
+            let rows = DB::outbox_rows(&mut *tx, sql.rows(&ids)).await?;
+            let taken = rows.len();
+            let heads = heads::<DB>(&mut *tx, sql, &rows).await?;
+            let done = self.publish(js, checks, rows, &heads).await;
+            let more = sizes.len() as i64 >= limit || taken < sizes.len();
+            let full = more && done.sent.len() == taken;
+            self.hook().await;
+            self.record(&mut *tx, &done).await?;
             tx.commit().await?;
-            return Ok(false);
+            self.count_recorded(&done);
+            Ok::<_, RelayError>(full)
         }
-        // Locked are all of `sizes`; loaded, the oldest that fit the byte budget.
-        let ids = within(&sizes, self.max_bytes);
-        let rows = DB::outbox_rows(&mut *tx, sql.rows(&ids)).await?;
-        let taken = rows.len();
-        let heads = heads::<DB>(&mut *tx, sql, &rows).await?;
-        let done = self.publish(js, checks, rows, &heads).await;
-        let more = sizes.len() as i64 >= limit || taken < sizes.len();
-        let full = more && done.sent.len() == taken;
-        self.hook().await;
-        self.record(&mut *tx, &done).await?;
-        tx.commit().await?;
-        self.count_recorded(&done);
-        Ok(full)
+        .await;
+        closing_read_only(&mut conn, passed)
     }
 
     /// Marks `done`'s rows sent, and records its failed rows, on `conn`. On the lease path
@@ -268,10 +286,24 @@ impl<DB: InboxBackend> Relay<DB> {
         match delete_in_batches::<DB>(lock.conn(), sql, batch).await {
             Ok(0) => {}
             Ok(deleted) => tracing::info!(outbox = %self.outbox.table(), deleted, "outbox cleanup"),
-            Err(e) => tracing::warn!(error = %e, "outbox cleanup failed"),
+            Err(e) => {
+                close_if_read_only(lock.conn(), &e);
+                tracing::warn!(error = %e, "outbox cleanup failed");
+            }
         }
         lock.release().await;
     }
+}
+
+/// `result`, after marking `conn` to be closed if it failed on a database that takes no writes.
+fn closing_read_only<DB: InboxBackend, T>(
+    conn: &mut PoolConnection<DB>,
+    result: Result<T, RelayError>,
+) -> Result<T, RelayError> {
+    if let Err(RelayError::Database(e)) = &result {
+        close_if_read_only(conn, e);
+    }
+    result
 }
 
 /// The ids of the oldest of `sizes` whose bytes add up to at most `budget`, and always the first.

@@ -137,6 +137,9 @@ impl<DB: InboxBackend> Inbox<DB> {
             };
             delete_in_batches::<DB>(lock.conn(), self.sql.cleanup.clone(), batch).await
         };
+        if let Err(e) = &result {
+            crate::classify::close_if_read_only(lock.conn(), e);
+        }
         lock.release().await;
         result.map(Some)
     }

@@ -204,10 +204,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             let written = DB::execute_raw(&mut conn, self.sql.inbox_probe.clone())
                 .await
                 .map(|_| ());
-            if let Err(sqlx::Error::Database(e)) = &written
-                && DB::is_read_only_error(e.as_ref())
-            {
-                conn.close_on_drop();
+            if let Err(e) = &written {
+                crate::classify::close_if_read_only(&mut conn, e);
             }
             written
         };
