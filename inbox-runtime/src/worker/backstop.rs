@@ -135,6 +135,12 @@ pub(crate) async fn ensure_stream(
                 tokio::time::sleep(std::time::Duration::from_millis(100 * tries)).await;
             }
             Err(source) => {
+                // Created with another configuration (a named stream set up by hand): found
+                // by a plain lookup, where `get_or_create_stream`'s lookup may have met a
+                // cluster's spurious "not found" and then been refused the creation.
+                if let Ok(found) = js.get_stream(&name).await {
+                    break found;
+                }
                 return Err(Box::new(CreateAdvisoryStream {
                     name,
                     stream: stream.into(),
