@@ -67,7 +67,8 @@ pub fn classify<DB: InboxBackend>(err: &ProcessError) -> ErrorClass {
         | ProcessError::Key(_)
         | ProcessError::Panicked(_)
         | ProcessError::TwoPhaseInTransaction(_)
-        | ProcessError::KeyReused { .. } => ErrorClass::Permanent,
+        | ProcessError::KeyReused { .. }
+        | ProcessError::TransactionEnded { .. } => ErrorClass::Permanent,
         // Another owner holds the key, or took it over: redelivered later (the verdict waits out
         // a held lease), never tried again at once.
         ProcessError::ClaimHeld { .. } | ProcessError::FencedOut { .. } => ErrorClass::Unknown,

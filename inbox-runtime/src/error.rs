@@ -33,7 +33,8 @@ impl fmt::Display for Stage {
     }
 }
 
-/// Why a message was not processed. Nothing was committed in any of these cases.
+/// Why a message was not processed. Nothing was committed in any of these cases but
+/// [`ProcessError::TransactionEnded`].
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ProcessError {
@@ -61,6 +62,19 @@ pub enum ProcessError {
     /// The handler returned an error; its transaction was rolled back.
     #[error("handler failed: {0}")]
     Handler(BoxError),
+    /// The message's transaction ended while its handler ran: its marker was gone when the
+    /// inbox came to finish it. A handler that swallowed an error which rolls the whole
+    /// transaction back (MySQL/MariaDB's deadlock 1213, some SQLite errors) and went on, or one
+    /// that ended the transaction itself. The statements it ran after that ran outside the
+    /// transaction, each committed on its own: trying again would commit them again, so this
+    /// is permanent (dead-lettered), the one case where something may have been committed.
+    #[error(
+        "the transaction of key {key:?} ended while its handler ran (a swallowed deadlock or other error that rolls the whole transaction back, or a ROLLBACK/COMMIT in the handler): statements the handler ran after that were committed on their own, so the message is not tried again; return such errors from the handler"
+    )]
+    TransactionEnded {
+        /// The message's key.
+        key: String,
+    },
     /// The message has no `Nats-Msg-Id` and its stream, whose creation time the default key
     /// names, could not be looked up. Transient.
     #[error("looking up stream {stream} for the message's default key: {source}")]

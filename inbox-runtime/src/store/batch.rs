@@ -375,7 +375,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                     .await
                     .map_err(|e| ProcessError::Handler(e.into()))?;
                 // As for one message: the marker must still be there to be finished.
-                self.finish(&mut savepoint, id, delivery).await
+                self.finish(&mut savepoint, id, keys[i], delivery).await
             };
             let processed = AssertUnwindSafe(one).catch_unwind().await;
             let kept = match processed {

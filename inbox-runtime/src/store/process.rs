@@ -182,7 +182,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
         // processed_at says when the effect was done; it commits with the effect or not at all.
-        self.finish(tx, id, delivery).await?;
+        self.finish(tx, id, key, delivery).await?;
         Ok(Outcome::Ack)
     }
 
@@ -236,12 +236,14 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// Sets `processed_at` on the marker `id` this transaction claimed. The marker must still be
     /// there: a handler that swallowed an error of an aborted transaction (PostgreSQL), or a
     /// transaction a swallowed deadlock rolled back (MySQL), fails here, and is never committed
-    /// as if it were done. Not a transient error (a retry would not bring the marker back);
-    /// redelivery leaves time to look.
+    /// as if it were done. The aborted transaction is a database error, redelivered; the
+    /// rolled-back one is [`ProcessError::TransactionEnded`], permanent, since the statements
+    /// the handler ran after the rollback committed on their own.
     pub(crate) async fn finish(
         &self,
         conn: &mut DB::Connection,
         id: i64,
+        key: &str,
         delivery: &Delivery,
     ) -> Result<(), ProcessError> {
         let hash = delivery.payload_hash.as_deref();
@@ -251,10 +253,11 @@ impl<DB: InboxBackend> Inbox<DB> {
                 stage: Stage::Finish,
                 source,
             })?;
+        // The marker, inserted by this transaction and seen by no other, can only be gone
+        // with the transaction itself.
         match DB::rows_affected(&finished) {
-            0 => Err(ProcessError::Database {
-                stage: Stage::Finish,
-                source: sqlx::Error::RowNotFound,
+            0 => Err(ProcessError::TransactionEnded {
+                key: key.to_owned(),
             }),
             _ => Ok(()),
         }
