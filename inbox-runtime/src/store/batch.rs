@@ -40,6 +40,10 @@ pub(crate) enum Batched {
     Done(Outcome),
     /// Not committed: to be processed alone.
     Alone,
+    /// The batch's transaction ended while this message's handler, or one before it, ran
+    /// ([`ProcessError::TransactionEnded`]): what the handler ran after that committed on its
+    /// own, so it is dead-lettered rather than tried again.
+    TransactionEnded,
 }
 
 /// How a batch ended: each message's end, in order, and what it met on the way.
@@ -248,7 +252,19 @@ impl<DB: InboxBackend> Inbox<DB> {
             let finish = backend::finish_many_sql::<DB>(self.table(), &claimed, &hashes);
             match DB::execute_raw(&mut tx, finish).await {
                 Ok(r) if DB::rows_affected(&r) == claimed.len() as u64 => {}
-                _ => {
+                // The markers, inserted by this transaction and seen by no other, are gone:
+                // the transaction ended under one of the handlers, not known which, and the
+                // handlers that ran after it committed their statements on their own. Every
+                // message whose handler ran is dead-lettered: none is applied twice.
+                Ok(_) => {
+                    let _ = tx.rollback().await;
+                    let ended = done.into_iter().map(|d| match d {
+                        Batched::Done(Outcome::Ack) => Batched::TransactionEnded,
+                        other => other,
+                    });
+                    return Ok(ended.collect());
+                }
+                Err(_) => {
                     let _ = tx.rollback().await;
                     return Err(Failed::OneMessage(None));
                 }
@@ -380,6 +396,16 @@ impl<DB: InboxBackend> Inbox<DB> {
             let processed = AssertUnwindSafe(one).catch_unwind().await;
             let kept = match processed {
                 Ok(Ok(())) => savepoint.commit().await.is_ok(),
+                Ok(Err(ProcessError::TransactionEnded { .. })) => {
+                    // Ended under this message's handler (its finish comes right after it):
+                    // what the messages before it did went with the transaction, and they go
+                    // alone; this one's later statements committed on their own.
+                    drop(savepoint);
+                    let _ = tx.rollback().await;
+                    let mut ended = vec![Batched::Alone; keys.len()];
+                    ended[i] = Batched::TransactionEnded;
+                    return Ok(ended);
+                }
                 Ok(Err(e)) => {
                     if let Failed::Conflict = failed_by::<DB>(&e, None) {
                         drop(savepoint);

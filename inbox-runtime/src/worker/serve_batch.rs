@@ -9,6 +9,7 @@ use super::requests::Held;
 use super::serve::with_progress;
 use super::verdict::Verdict;
 use crate::delivery::Delivery;
+use crate::error::ProcessError;
 use crate::handler::{Handler, Outcome};
 use crate::lane::Lane;
 use crate::store::Batched;
@@ -174,7 +175,9 @@ where
                 vec![Batched::Alone; keys.len()]
             }
         };
-        for ((delivery, message, permit), ended) in deliveries.into_iter().zip(ended) {
+        for (((delivery, message, permit), ended), key) in
+            deliveries.into_iter().zip(ended).zip(&keys)
+        {
             match ended {
                 Batched::Done(outcome) => {
                     let verdict = match outcome {
@@ -185,6 +188,12 @@ where
                     drop(permit);
                 }
                 Batched::Alone => alone((message, permit)),
+                Batched::TransactionEnded => {
+                    let err = ProcessError::TransactionEnded { key: key.clone() };
+                    let verdict = Verdict::DeadLetter(super::letter_text::letter_text(&err));
+                    self.answer(&message, verdict, &delivery, &shutdown).await;
+                    drop(permit);
+                }
             }
         }
     }
