@@ -107,6 +107,8 @@ where
             }
         };
         let counters = &self.counters;
+        // A letter that must be kept as on the last delivery: a nak would run the message again.
+        let keep = matches!(verdict, Verdict::Keep(_));
         let counter = match verdict {
             Verdict::Ack | Verdict::Skip => {
                 outcome(if verdict == Verdict::Ack {
@@ -129,7 +131,7 @@ where
                     _ => &counters.skipped,
                 }
             }
-            Verdict::DeadLetter(reason) => {
+            Verdict::DeadLetter(reason) | Verdict::Keep(reason) => {
                 // The letter's id names the stream's creation time, looked up if need be: the
                 // delivery-limit backstop, in any instance, names it too, and the two ids must
                 // agree for the dead-letter stream to keep one letter.
@@ -155,7 +157,7 @@ where
                     subject: Some(&delivery.subject),
                     key: key.as_deref(),
                 };
-                let last = self.last_delivery(delivery.delivered);
+                let last = keep || self.last_delivery(delivery.delivered);
                 let stored = if last {
                     let keep = self.keep_letter(message, &letter, shutdown);
                     with_progress(&[message], self.settings.progress_every, keep).await

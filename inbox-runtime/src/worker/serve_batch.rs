@@ -190,7 +190,7 @@ where
                 Batched::Alone => alone((message, permit)),
                 Batched::TransactionEnded => {
                     let err = ProcessError::TransactionEnded { key: key.clone() };
-                    let verdict = Verdict::DeadLetter(super::letter_text::letter_text(&err));
+                    let verdict = Verdict::Keep(super::letter_text::letter_text(&err));
                     self.answer(&message, verdict, &delivery, &shutdown).await;
                     drop(permit);
                 }

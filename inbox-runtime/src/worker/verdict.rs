@@ -22,6 +22,10 @@ pub(crate) enum Verdict {
     Nak(Duration),
     /// Publish a dead letter with this reason, then term; nak instead if it cannot be stored.
     DeadLetter(String),
+    /// Dead-letter with this reason and never nak, as on the last delivery (the letter kept in
+    /// the database when the stream refuses it): a message that must not run again
+    /// ([`ProcessError::TransactionEnded`]: statements of its handler committed on their own).
+    Keep(String),
 }
 
 /// The consumer's nak schedule, with the worker's own retry and nak policy. (Its
@@ -103,6 +107,9 @@ pub(crate) fn verdict(
         return Verdict::Nak(*remaining + Duration::from_millis(100));
     }
     match class {
+        ErrorClass::Permanent if matches!(err, ProcessError::TransactionEnded { .. }) => {
+            Verdict::Keep(letter_text(err))
+        }
         ErrorClass::Permanent => Verdict::DeadLetter(letter_text(err)),
         _ if last_delivery => Verdict::DeadLetter(format!(
             "{} (delivery {delivered} of max_deliver {max_deliver})",
@@ -198,6 +205,15 @@ mod tests {
 
     fn is_dead_letter(v: &Verdict) -> bool {
         matches!(v, Verdict::DeadLetter(_))
+    }
+
+    #[test]
+    fn a_transaction_ended_under_its_handler_is_kept_never_nakd() {
+        let err = ProcessError::TransactionEnded { key: "k".into() };
+        let class = classify::<sqlx::Postgres>(&err);
+        assert_eq!(class, ErrorClass::Permanent);
+        let v = verdict(Err((&err, class)), 1, MAX_DELIVER, &limits());
+        assert!(matches!(v, Verdict::Keep(_)), "{v:?}");
     }
 
     #[test]
