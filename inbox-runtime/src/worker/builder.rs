@@ -1,7 +1,7 @@
 //! Options: [`WorkerBuilder`] collects what the user asks for; `check.rs` decides, from the
 //! consumer's configuration, whether it can be served and with which settings.
 
-use super::backstop::AdvisoryStream;
+use super::advisories::AdvisoryStream;
 use super::check::{Batching, Options, Sweep, ack_wait_of, check};
 use super::names::claim_consumer_name;
 use super::{Worker, WorkerError};

@@ -41,7 +41,7 @@ pub(crate) struct Options {
     /// The sweeper's period and threshold; the threshold defaults to 5 × `ack_wait`.
     pub sweep: (Duration, Option<Duration>),
     /// The delivery-limit backstop's advisory stream, when it runs.
-    pub backstop: Option<super::backstop::AdvisoryStream>,
+    pub backstop: Option<super::advisories::AdvisoryStream>,
     /// How often the consumer's `max_deliver` is read again besides at each pull session's
     /// start (shorter only in tests: `WorkerBuilder::max_deliver_every`).
     pub max_deliver_every: Duration,
@@ -105,7 +105,7 @@ pub(crate) struct Settings {
     /// The sweeper of open claims (two-phase handlers only; set by `build`).
     pub sweep: Option<Sweep>,
     /// The delivery-limit backstop's advisory stream, when it runs.
-    pub backstop: Option<super::backstop::AdvisoryStream>,
+    pub backstop: Option<super::advisories::AdvisoryStream>,
     /// Whether the consumer is paused on the server while the circuit is open.
     pub pause_on_server: bool,
     /// The bytes of messages fetched and not yet finished, at most: the budget pull requests

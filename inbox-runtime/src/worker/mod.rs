@@ -13,6 +13,7 @@
 //! of open claims, parked letters, the limit's periodic read). This file holds the [`Worker`]
 //! handle, its counters and `run_until`.
 
+mod advisories;
 mod backstop;
 mod builder;
 mod check;
@@ -31,10 +32,11 @@ mod transport_id;
 mod upkeep;
 mod verdict;
 
+pub use advisories::advisory_stream_name;
 #[cfg(test)]
-pub(crate) use backstop::create_stream_failed as create_advisory_stream_error;
-pub(crate) use backstop::{AdvisoryStream, ensure_stream as ensure_advisory_stream};
-pub use backstop::{BACKSTOP_ERROR, advisory_stream_name};
+pub(crate) use advisories::create_stream_failed as create_advisory_stream_error;
+pub(crate) use advisories::{AdvisoryStream, ensure_stream as ensure_advisory_stream};
+pub use backstop::BACKSTOP_ERROR;
 pub use builder::{AckMode, NoState, WorkerBuilder};
 pub use check::DEFAULT_DEADLINE;
 pub use dead_letter::{DEFAULT_DLQ_PREFIX, DEFAULT_DLQ_STREAM, UNREADABLE_HEADERS};
