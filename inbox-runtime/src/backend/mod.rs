@@ -3,12 +3,14 @@
 //! overrides only what behaves differently; the statements every dialect runs alike have default
 //! bodies over sqlx's generic executor bounds.
 //!
-//! One concept per file: `dialect` (the sealed per-database trait), `executor` (the statements
+//! One concept per file: `begin` (a connection a BEGIN cut mid-flight cannot leave in a
+//! transaction), `dialect` (the sealed per-database trait), `executor` (the statements
 //! every dialect runs alike), `rows` (what they read and write), `statements` (one inbox table's
 //! SQL), `table` (its checked name), `migrate` (migrations, safe when instances race), `fleet`
 //! (the cleanup lock and batched deletes), `transient` (which errors a fresh transaction may
 //! cure); then one file per dialect (PostgreSQL's partitioned layout in `postgres/`).
 
+mod begin;
 mod dialect;
 mod executor;
 pub(crate) mod fleet;
@@ -25,6 +27,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
+pub(crate) use begin::Beginning;
 pub(crate) use dialect::{Backend, Claimed, RelayTurns};
 pub(crate) use executor::Generic;
 pub use rows::FailedRow;

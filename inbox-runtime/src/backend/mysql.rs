@@ -167,10 +167,14 @@ impl Backend for MySql {
     }
 
     fn begin_sql(lock_timeout: Duration) -> SqlStr {
-        // InnoDB's lock wait timeout is in whole seconds, at least 1.
+        // InnoDB's lock wait timeout is in whole seconds, at least 1. The COMMIT first (a
+        // no-op outside a transaction) ends a transaction that a BEGIN cut on the wire left on
+        // a pooled connection by a path that does not close such a connection
+        // (`backend::Beginning`): whatever ran in it since meant to commit on its own, and
+        // without it `SET TRANSACTION` would be refused (1568) for the connection's life.
         let secs = lock_timeout.as_secs().max(1);
         AssertSqlSafe(format!(
-            "SET SESSION innodb_lock_wait_timeout = {secs}; \
+            "COMMIT; SET SESSION innodb_lock_wait_timeout = {secs}; \
              SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
         ))
         .into_sql_str()

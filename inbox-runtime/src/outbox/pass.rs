@@ -21,13 +21,12 @@ use super::statements::OutboxStatements;
 use super::streams::Checks;
 use crate::backend::fleet::{FleetLock, delete_in_batches};
 use crate::backend::{
-    DEFAULT_LOCK_TIMEOUT, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns,
+    Beginning, DEFAULT_LOCK_TIMEOUT, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns,
 };
 use crate::classify::close_if_read_only;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
-use sqlx::Connection;
 use sqlx::pool::PoolConnection;
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
@@ -101,7 +100,7 @@ impl<DB: InboxBackend> Relay<DB> {
             }
             return Ok(full);
         }
-        let mut conn = pool.acquire().await?;
+        let mut conn = Beginning::new(pool.acquire().await?);
         let passed = async {
             let mut tx = conn.begin_with(DB::begin_sql(DEFAULT_LOCK_TIMEOUT)).await?;
             let sizes = DB::outbox_sizes(&mut *tx, fetch, &blocked, limit).await?;

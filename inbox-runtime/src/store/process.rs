@@ -3,12 +3,12 @@
 //! reply was lost.
 
 use super::Inbox;
-use crate::backend::{Claimed, InboxBackend};
+use crate::backend::{Beginning, Claimed, InboxBackend};
 use crate::classify::is_read_only;
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome, message_key};
-use sqlx::{Connection, Transaction};
+use sqlx::Transaction;
 use tracing::Instrument;
 
 impl<DB: InboxBackend> Inbox<DB> {
@@ -70,7 +70,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         };
         // The connection is held apart from its transaction: one that answers "read-only" (to
         // a standby, after a failover) leaves the pool, since a new one may reach the primary.
-        let mut conn = self.pool.acquire().await.map_err(begin)?;
+        let mut conn = Beginning::new(self.pool.acquire().await.map_err(begin)?);
         let done = async {
             let mut tx = conn
                 .begin_with(self.sql.begin.clone())
