@@ -192,7 +192,14 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
     let entry = Entry::new("a", 1, 1);
     nats.publish_all([entry.json(), entry.json()]).await;
     let (ledger, probe) = (B::Ledger::default(), Probe::open());
-    let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
+    // A pull that waits for the message (a fetch may answer before the consumer sees it).
+    let mut batch = consumer
+        .batch()
+        .max_messages(1)
+        .expires(Duration::from_secs(30))
+        .messages()
+        .await
+        .unwrap();
     let original = batch.next().await.expect("a delivery").unwrap();
     let outcome = process_delivery(&inbox, &ledger, &probe, &original).await;
     assert_eq!(outcome.unwrap(), Outcome::Ack);

@@ -21,7 +21,15 @@ async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
     let handler = B::LedgerByTransportId::default();
 
     // The first instance commits and never acks.
-    let mut batch = consumer.fetch().max_messages(1).messages().await.unwrap();
+    // A pull that waits for the message (a fetch answers at once, and on a consumer that has
+    // not yet seen the stored message that answer may be empty).
+    let mut batch = consumer
+        .batch()
+        .max_messages(1)
+        .expires(Duration::from_secs(30))
+        .messages()
+        .await
+        .unwrap();
     let first = batch.next().await.expect("a delivery").unwrap();
     assert_eq!(
         process_delivery(&inbox, &handler, &(), &first)

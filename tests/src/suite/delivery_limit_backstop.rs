@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 /// was killed before it could ack, nak or term them.
 async fn take_and_die(consumer: &PullConsumer, n: usize) {
     let mut batch = consumer
-        .fetch()
+        .batch()
         .max_messages(n)
-        .expires(Duration::from_secs(5))
+        .expires(Duration::from_secs(30))
         .messages()
         .await
         .expect("pull");
