@@ -176,3 +176,75 @@ async fn a_try_cut_in_its_begin_is_applied_once_on_postgres() {
 async fn a_try_cut_in_its_begin_is_applied_once_on_mysql() {
     a_try_cut_in_its_begin_is_applied_once::<MySql>(mysql_in_transaction).await;
 }
+
+/// A dead letter kept in the database (the dead-letter stream refusing it, on its last
+/// delivery) was an autocommit INSERT: on a pooled connection that something else had left
+/// inside a transaction (here a BEGIN of the application's own, cut on a pool it shares with
+/// the worker; MySQL's driver does not roll that back), the INSERT committed only with that
+/// transaction, and was lost when the connection closed, after its message had been termed.
+/// The letter is now parked in a transaction of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_letter_parked_on_a_connection_left_in_a_transaction_is_kept() {
+    use async_nats::jetstream::stream;
+    let db = MySql::create(2).await;
+    Inbox::new(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    // The dead-letter stream listens elsewhere: the letter is kept in the database.
+    nats.js
+        .create_stream(stream::Config {
+            name: nats.dlq_stream.clone(),
+            subjects: vec![format!("elsewhere.{}", nats.stream.to_lowercase())],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut proxy = TcpProxy::reserve().unwrap();
+    let pool = pool_through::<MySql>(&db, &mut proxy, 1).await;
+    proxy.freeze();
+    let mut conn = pool.acquire().await.expect("the pool's connection");
+    let begin = sqlx::Connection::begin(&mut *conn);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), begin)
+            .await
+            .is_err(),
+        "BEGIN answered through a frozen proxy"
+    );
+    drop(conn);
+    proxy.thaw();
+    let idle = async || pool.num_idle() == 1;
+    wait_until(
+        "the connection back in the pool",
+        Duration::from_secs(30),
+        idle,
+    )
+    .await
+    .unwrap();
+    assert!(
+        mysql_in_transaction(&pool).await,
+        "the application's cut BEGIN left no transaction: nothing to test"
+    );
+
+    nats.publish_all([b"{ not json".to_vec()]).await;
+    let worker = nats
+        .worker(MySql::inbox(pool.clone()), consumer)
+        .nak_delay(Duration::from_millis(10), Duration::from_millis(10))
+        .build_with_state(<MySql as TestBackend>::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until(
+        "the message to be terminated",
+        Duration::from_secs(60),
+        async || worker.stats().terminated == 1,
+    )
+    .await
+    .unwrap();
+    run.stop().await;
+    // The connection closes: what it had not committed is rolled back.
+    pool.close().await;
+    assert_eq!(
+        MySql::count(&db, "SELECT count(*) FROM inbox_dead_letters").await,
+        1,
+        "the termed message's letter was lost"
+    );
+}

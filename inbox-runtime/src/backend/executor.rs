@@ -87,9 +87,9 @@ pub trait Generic: sqlx::Database {
         batch: DeleteBatch<'a>,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
-    /// Runs `sql` (`InboxStatements::park`) on `pool`.
+    /// Runs `sql` (`InboxStatements::park`) on `conn`.
     fn park<'a>(
-        pool: &'a Pool<Self>,
+        conn: &'a mut Self::Connection,
         sql: SqlStr,
         consumer: &'a str,
         headers: &'a str,
@@ -326,14 +326,14 @@ where
     }
 
     async fn park<'a>(
-        pool: &'a Pool<DB>,
+        conn: &'a mut DB::Connection,
         sql: SqlStr,
         consumer: &'a str,
         headers: &'a str,
         payload: &'a [u8],
     ) -> Result<DB::QueryResult, sqlx::Error> {
         let query = sqlx::query::<DB>(sql).bind(consumer).bind(headers);
-        query.bind(payload).execute(pool).await
+        query.bind(payload).execute(conn).await
     }
 
     async fn parked<'a>(

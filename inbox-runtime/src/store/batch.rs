@@ -20,7 +20,7 @@
 //! transaction, and is a Skip.
 
 use super::Inbox;
-use crate::backend::{self, Claimed, InboxBackend};
+use crate::backend::{self, Beginning, Claimed, InboxBackend};
 use crate::classify::{ErrorClass, classify};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage, chain};
@@ -168,7 +168,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         if decoded.len() != keys.len() {
             return Err(Failed::Whole);
         }
-        let mut tx = DB::begin(self.pool(), self.begin_batch::<H>())
+        let mut conn = Beginning::new(self.pool().acquire().await.map_err(|_| Failed::Whole)?);
+        let mut tx = conn
+            .begin_with(self.begin_batch::<H>())
             .await
             .map_err(|_| Failed::Whole)?;
         let mut done = Vec::with_capacity(keys.len());
@@ -322,13 +324,15 @@ impl<DB: InboxBackend> Inbox<DB> {
     where
         H: Handler<Db = DB>,
     {
-        let mut tx = DB::begin(self.pool(), self.begin_batch::<H>())
+        let mut conn = Beginning::new(self.pool().acquire().await.map_err(|_| Failed::Whole)?);
+        let mut tx = conn
+            .begin_with(self.begin_batch::<H>())
             .await
             .map_err(|_| Failed::Whole)?;
         // Ends the try: the transaction rolled back, awaited, so that a try again does not wait
         // for this one's locks.
         async fn end<DB: InboxBackend>(
-            tx: sqlx::Transaction<'static, DB>,
+            tx: sqlx::Transaction<'_, DB>,
             failed: Failed,
         ) -> Result<Vec<Batched>, Failed> {
             let _ = tx.rollback().await;

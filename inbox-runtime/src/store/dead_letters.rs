@@ -25,15 +25,15 @@ impl<DB: InboxBackend> Inbox<DB> {
         payload: &[u8],
     ) -> Result<(), sqlx::Error> {
         let headers = serde_json::to_string(headers).expect("strings serialize");
-        DB::park(
-            &self.pool,
-            self.sql.park.clone(),
-            consumer,
-            &headers,
-            payload,
-        )
-        .await?;
-        Ok(())
+        // In a transaction of its own, committed before the message is termed: an autocommit
+        // INSERT on a pooled connection that something else left inside a transaction (a BEGIN
+        // cut before its answer on a pool shared with the application, which MySQL's driver
+        // does not roll back) would commit only with that transaction, and be lost with the
+        // connection. A BEGIN there commits it (MySQL) or joins it (PostgreSQL), so the COMMIT
+        // makes the letter durable either way.
+        let mut tx = self.pool.begin().await?;
+        DB::park(&mut *tx, self.sql.park.clone(), consumer, &headers, payload).await?;
+        tx.commit().await
     }
 
     /// The oldest letters parked for `consumer`.
