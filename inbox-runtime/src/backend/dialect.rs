@@ -142,6 +142,12 @@ pub trait Backend: sqlx::Database + Generic {
         false
     }
 
+    /// Whether a BEGIN cut before its answer (its future dropped) may leave the server inside
+    /// a transaction that sqlx does not track, so that the connection must be closed rather
+    /// than put back (`backend::Beginning`): MySQL's driver (sqlx 0.9.1). PostgreSQL's rolls
+    /// it back since 0.9.1, SQLite's always did. `true` by default.
+    const CUT_BEGIN_LEAVES_TRANSACTION: bool = true;
+
     /// The statement that begins a message's transaction, waiting at most `lock_timeout`
     /// for any lock (a twin blocked behind a frozen peer's transaction must not wait for as
     /// long as TCP keepalive allows).

@@ -115,6 +115,9 @@ impl Backend for Postgres {
         err.code().is_some_and(|c| c.starts_with("22"))
     }
 
+    // sqlx rolls back a transaction whose BEGIN was cut.
+    const CUT_BEGIN_LEAVES_TRANSACTION: bool = false;
+
     fn begin_sql(lock_timeout: Duration) -> SqlStr {
         // In the BEGIN's own round trip; LOCAL ends with the transaction.
         let ms = lock_timeout.as_millis().max(1);

@@ -160,6 +160,9 @@ impl Backend for Sqlite {
         .into_sql_str()
     }
 
+    // sqlx rolls back a transaction whose BEGIN was cut.
+    const CUT_BEGIN_LEAVES_TRANSACTION: bool = false;
+
     fn begin_sql(_lock_timeout: Duration) -> SqlStr {
         // The only lock is the database's write lock, and a connection waits for it as long as
         // its busy timeout (`sqlite_options`: 30 s), then fails with SQLITE_BUSY.

@@ -2,7 +2,7 @@
 //! delivery, kept until the worker can publish it.
 
 use super::Inbox;
-use crate::backend::InboxBackend;
+use crate::backend::{Beginning, InboxBackend};
 
 /// A dead letter parked in the database, waiting for the dead-letter stream.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,7 +31,8 @@ impl<DB: InboxBackend> Inbox<DB> {
         // does not roll back) would commit only with that transaction, and be lost with the
         // connection. A BEGIN there commits it (MySQL) or joins it (PostgreSQL), so the COMMIT
         // makes the letter durable either way.
-        let mut tx = self.pool.begin().await?;
+        let mut conn = Beginning::new(self.pool.acquire().await?);
+        let mut tx = conn.begin().await?;
         DB::park(&mut *tx, self.sql.park.clone(), consumer, &headers, payload).await?;
         tx.commit().await
     }

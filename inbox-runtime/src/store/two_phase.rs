@@ -19,7 +19,7 @@
 //! [`Inbox::open_claims`] lists those left open (the worker's sweeper logs them).
 
 use super::Inbox;
-use crate::backend::{Claimed, InboxBackend};
+use crate::backend::{Beginning, Claimed, InboxBackend};
 use crate::claim::{Claim, OpenClaim, idempotency_key};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
@@ -284,14 +284,22 @@ impl<DB: InboxBackend> Inbox<DB> {
         id: i64,
         fence: i64,
     ) -> Result<Outcome, ProcessError> {
+        let begin_err = |source| ProcessError::Database {
+            stage: Stage::Begin,
+            source,
+        };
+        // Held apart from its transaction: closed if the BEGIN is cut at the deadline.
+        let mut conn = None;
         let mut tx = match tx {
             Some(tx) => tx,
-            None => DB::begin(self.pool(), self.sql.begin.clone())
-                .await
-                .map_err(|source| ProcessError::Database {
-                    stage: Stage::Begin,
-                    source,
-                })?,
+            None => {
+                let conn = conn.insert(Beginning::new(
+                    self.pool().acquire().await.map_err(begin_err)?,
+                ));
+                conn.begin_with(self.sql.begin.clone())
+                    .await
+                    .map_err(begin_err)?
+            }
         };
         let done =
             DB::execute_fenced(&mut *tx, self.sql.claims.complete.clone(), None, id, fence).await;
