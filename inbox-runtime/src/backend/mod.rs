@@ -34,6 +34,10 @@ pub use rows::FailedRow;
 pub(crate) use rows::{DeleteBatch, IdSize, KeyId, NewOutboxRow, OutboxRow};
 #[cfg(feature = "sqlite")]
 pub use sqlite::sqlite_options;
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "sqlite")),
+    allow(unused_imports)
+)]
 pub(crate) use statements::{
     InboxStatements, claims_of, delete_ids_sql, finish_many_sql, stamp_ids_sql,
 };
