@@ -42,18 +42,26 @@ async fn the_client_drops_its_connection_on_an_unreadable_header() {
         let mut subscription = client.subscribe(subject.clone()).await.unwrap();
         client.flush().await.unwrap();
         let before = drops.load(Ordering::SeqCst);
-        publish_raw_lines(&url, &subject, std::slice::from_ref(&bad), b"payload")
-            .await
-            .unwrap();
-        wait_until(
-            "the client to drop its connection",
-            Duration::from_secs(20),
-            async || drops.load(Ordering::SeqCst) > before,
-        )
-        .await
-        .unwrap_or_else(|e| {
+        // Sent up to three times: one full run (2.15.1, beside other suites) saw no drop within
+        // 20 s of the first; the client reading such a header would survive all three.
+        let mut dropped = Err(String::new());
+        for _ in 0..3 {
+            publish_raw_lines(&url, &subject, std::slice::from_ref(&bad), b"payload")
+                .await
+                .unwrap();
+            dropped = wait_until(
+                "the client to drop its connection",
+                Duration::from_secs(20),
+                async || drops.load(Ordering::SeqCst) > before,
+            )
+            .await;
+            if dropped.is_ok() {
+                break;
+            }
+        }
+        dropped.unwrap_or_else(|e| {
             panic!(
-                "{e}: async-nats now reads a header line {:?}; revisit the workarounds named at the top of this file",
+                "{e}, three times: async-nats now reads a header line {:?}; revisit the workarounds named at the top of this file",
                 String::from_utf8_lossy(&bad)
             )
         });
