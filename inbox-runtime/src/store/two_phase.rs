@@ -314,7 +314,12 @@ impl<DB: InboxBackend> Inbox<DB> {
             }
             Ok(_) => match tx.commit().await {
                 Ok(()) => Ok(Outcome::Ack),
-                Err(source) => self.after_failed_commit(consumer, key, source).await,
+                Err(source) => {
+                    // Back in the pool before the marker is looked up on another connection:
+                    // with every connection in use, the lookup would wait for its own.
+                    drop(conn);
+                    self.after_failed_commit(consumer, key, source).await
+                }
             },
             Err(source) => {
                 let _ = tx.rollback().await;
