@@ -49,6 +49,48 @@ pub fn through_proxy(url: &str, proxy_port: u16) -> (String, String) {
     )
 }
 
+/// A pool of `max` connections to `db` through `proxy` (started here on `db`), all open and
+/// idle before it is handed over, failing fast to acquire, as a production pool would: for the
+/// fault tests that freeze or cut the proxy.
+pub async fn pool_through<B: backends::TestBackend>(
+    db: &backends::TestDb<B::Db>,
+    proxy: &mut inbox_testkit::TcpProxy,
+    max: u32,
+) -> sqlx::Pool<B::Db> {
+    let (upstream, url) = through_proxy(&db.url, proxy.port);
+    proxy.start(&upstream).await.unwrap();
+    let pool = sqlx::pool::PoolOptions::<B::Db>::new()
+        .max_connections(max)
+        .min_connections(max)
+        .acquire_timeout(Duration::from_millis(300))
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .expect("connect through the proxy");
+    let ready = async || pool.num_idle() == max as usize;
+    wait_until("the pool's connections", Duration::from_secs(30), ready)
+        .await
+        .unwrap();
+    pool
+}
+
+/// The first delivery of `consumer`, pulled by a request that waits for it (a fetch answers at
+/// once, and a consumer that has not yet seen a message just stored may answer with nothing).
+/// The batch it came in is dropped: the message is left unanswered.
+pub async fn first_delivery(
+    consumer: &async_nats::jetstream::consumer::PullConsumer,
+) -> async_nats::jetstream::Message {
+    use futures::StreamExt;
+    let mut batch = consumer
+        .batch()
+        .max_messages(1)
+        .expires(Duration::from_secs(30))
+        .messages()
+        .await
+        .expect("pull");
+    batch.next().await.expect("a delivery").expect("a delivery")
+}
+
 /// Turns generic async test fns into a `#[tokio::test]` each on the server backends (PostgreSQL
 /// and MariaDB), in modules named after them: for the fault tests that put something between the
 /// code and the database server (SQLite is in-process; the conformance suite has its own list).

@@ -17,31 +17,7 @@ use inbox_testkit::{TcpProxy, wait_until};
 use inbox_tests::backends::{MySql, Postgres, TestBackend};
 use inbox_tests::handlers::{Entry, Probe};
 use inbox_tests::{NatsStream, Running};
-use sqlx::pool::PoolOptions;
 use std::time::Duration;
-
-/// A pool of `max` connections to `db` through `proxy` (started here).
-async fn pool_through<B: TestBackend>(
-    db: &inbox_tests::backends::TestDb<B::Db>,
-    proxy: &mut TcpProxy,
-    max: u32,
-) -> sqlx::Pool<B::Db> {
-    let (upstream, url) = inbox_tests::through_proxy(&db.url, proxy.port);
-    proxy.start(&upstream).await.unwrap();
-    let pool = PoolOptions::<B::Db>::new()
-        .max_connections(max)
-        .min_connections(max)
-        .acquire_timeout(Duration::from_millis(300))
-        .test_before_acquire(false)
-        .connect(&url)
-        .await
-        .expect("connect through the proxy");
-    let ready = async || pool.num_idle() == max as usize;
-    wait_until("the pool's connections", Duration::from_secs(30), ready)
-        .await
-        .unwrap();
-    pool
-}
 
 /// Whether PostgreSQL's pooled connection is inside a transaction begun before this statement.
 async fn pg_in_transaction(pool: &sqlx::PgPool) -> bool {
@@ -63,25 +39,18 @@ async fn mysql_in_transaction(pool: &sqlx::MySqlPool) -> bool {
     open == 1
 }
 
-async fn a_begin_cut_on_the_wire_leaves_no_transaction<B: TestBackend>(
-    in_transaction: impl AsyncFn(&sqlx::Pool<B::Db>) -> bool,
-) {
-    let db = B::create(1).await;
-    let mut proxy = TcpProxy::reserve().unwrap();
-    let pool = pool_through::<B>(&db, &mut proxy, 1).await;
-    assert!(
-        !in_transaction(&pool).await,
-        "in a transaction before the test"
-    );
+/// Begins a transaction on `pool`'s one connection and cuts it while its BEGIN is on the wire
+/// (held by the frozen `proxy`), then waits until the connection is back in the pool (its
+/// release check answered once the proxy thaws).
+async fn cut_a_begin<DB: sqlx::Database>(pool: &sqlx::Pool<DB>, proxy: &TcpProxy) {
     let idle = async || pool.num_idle() == 1;
     wait_until(
-        "the connection back in the pool",
+        "the connection idle in the pool",
         Duration::from_secs(30),
         idle,
     )
     .await
     .unwrap();
-
     proxy.freeze();
     let mut conn = pool.acquire().await.expect("the pool's connection");
     let begin = sqlx::Connection::begin(&mut *conn);
@@ -94,7 +63,6 @@ async fn a_begin_cut_on_the_wire_leaves_no_transaction<B: TestBackend>(
     );
     drop(conn);
     proxy.thaw();
-    // Back in the pool once its release check (after the BEGIN's answer) is through.
     wait_until(
         "the connection back in the pool",
         Duration::from_secs(30),
@@ -102,6 +70,19 @@ async fn a_begin_cut_on_the_wire_leaves_no_transaction<B: TestBackend>(
     )
     .await
     .unwrap();
+}
+
+async fn a_begin_cut_on_the_wire_leaves_no_transaction<B: TestBackend>(
+    in_transaction: impl AsyncFn(&sqlx::Pool<B::Db>) -> bool,
+) {
+    let db = B::create(1).await;
+    let mut proxy = TcpProxy::reserve().unwrap();
+    let pool = inbox_tests::pool_through::<B>(&db, &mut proxy, 1).await;
+    assert!(
+        !in_transaction(&pool).await,
+        "in a transaction before the test"
+    );
+    cut_a_begin(&pool, &proxy).await;
     assert!(
         !in_transaction(&pool).await,
         "a BEGIN cut on the wire left its pooled connection inside a transaction"
@@ -126,7 +107,7 @@ async fn a_try_cut_in_its_begin_is_applied_once<B: TestBackend>(
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     let mut proxy = TcpProxy::reserve().unwrap();
-    let pool = pool_through::<B>(&db, &mut proxy, 1).await;
+    let pool = inbox_tests::pool_through::<B>(&db, &mut proxy, 1).await;
     let worker = nats
         .worker(B::inbox(pool.clone()), consumer)
         .deadline(Duration::from_secs(1))
@@ -200,26 +181,8 @@ async fn a_letter_parked_on_a_connection_left_in_a_transaction_is_kept() {
         .await
         .unwrap();
     let mut proxy = TcpProxy::reserve().unwrap();
-    let pool = pool_through::<MySql>(&db, &mut proxy, 1).await;
-    proxy.freeze();
-    let mut conn = pool.acquire().await.expect("the pool's connection");
-    let begin = sqlx::Connection::begin(&mut *conn);
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), begin)
-            .await
-            .is_err(),
-        "BEGIN answered through a frozen proxy"
-    );
-    drop(conn);
-    proxy.thaw();
-    let idle = async || pool.num_idle() == 1;
-    wait_until(
-        "the connection back in the pool",
-        Duration::from_secs(30),
-        idle,
-    )
-    .await
-    .unwrap();
+    let pool = inbox_tests::pool_through::<MySql>(&db, &mut proxy, 1).await;
+    cut_a_begin(&pool, &proxy).await;
     assert!(
         mysql_in_transaction(&pool).await,
         "the application's cut BEGIN left no transaction: nothing to test"

@@ -20,28 +20,9 @@ use inbox_testkit::{TcpProxy, wait_until};
 use inbox_tests::backends::TestBackend;
 use inbox_tests::handlers::{Entry, Probe};
 use inbox_tests::{MAX_DELIVER, NatsStream, Running};
-use sqlx::pool::PoolOptions;
 use std::time::Duration;
 
 const MESSAGES: i64 = 10;
-
-/// A pool through `proxy` (started on `db`), failing fast to acquire, as a production pool would.
-async fn pool_through<B: TestBackend>(
-    db: &inbox_tests::backends::TestDb<B::Db>,
-    proxy: &mut TcpProxy,
-    max: u32,
-) -> sqlx::Pool<B::Db> {
-    let (upstream, url) = inbox_tests::through_proxy(&db.url, proxy.port);
-    proxy.start(&upstream).await.unwrap();
-    PoolOptions::<B::Db>::new()
-        .max_connections(max)
-        .min_connections(max)
-        .acquire_timeout(Duration::from_millis(300))
-        .test_before_acquire(false)
-        .connect(&url)
-        .await
-        .expect("connect through the proxy")
-}
 
 async fn silent_database_dead_letters_nothing<B: TestBackend>() {
     let db = B::create(2).await;
@@ -52,14 +33,7 @@ async fn silent_database_dead_letters_nothing<B: TestBackend>() {
     let mut proxy = TcpProxy::reserve().unwrap();
     // Many connections, open before the silence: a try takes one (nothing to wait for) and
     // hangs on its first statement, until the deadline.
-    let pool = pool_through::<B>(&db, &mut proxy, 16).await;
-    wait_until(
-        "the pool's connections",
-        Duration::from_secs(30),
-        async || pool.size() == 16,
-    )
-    .await
-    .unwrap();
+    let pool = inbox_tests::pool_through::<B>(&db, &mut proxy, 16).await;
     let worker = nats
         .worker(B::inbox(pool), consumer)
         .deadline(Duration::from_secs(1))
@@ -99,7 +73,7 @@ async fn one_instance_cut_off_does_not_stop_the_others<B: TestBackend>() {
     let nats = NatsStream::create().await;
     nats.consumer("c", Duration::from_secs(30)).await;
     let mut proxy = TcpProxy::reserve().unwrap();
-    let pool = pool_through::<B>(&db, &mut proxy, 4).await;
+    let pool = inbox_tests::pool_through::<B>(&db, &mut proxy, 4).await;
     // One at a time: what it pulled before its circuit opened is only the message it holds.
     let cut_off = nats
         .worker(
@@ -160,7 +134,7 @@ async fn open_circuit_without_messages_closes_when_the_database_answers<B: TestB
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     let mut proxy = TcpProxy::reserve().unwrap();
-    let pool = pool_through::<B>(&db, &mut proxy, 2).await;
+    let pool = inbox_tests::pool_through::<B>(&db, &mut proxy, 2).await;
     let worker = nats
         .worker(B::inbox(pool), consumer)
         .build_with_state(B::Ledger::default(), Probe::open())

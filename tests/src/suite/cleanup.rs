@@ -8,7 +8,6 @@ use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, Running};
 use async_nats::jetstream::stream;
-use futures::StreamExt;
 use inbox_runtime::{Outcome, process_delivery};
 use inbox_testkit::{Poll, wait_until};
 use std::time::Duration;
@@ -192,19 +191,10 @@ async fn repro_cleanup_deletes_markers_a_lagging_consumer_needs<B: TestBackend>(
     let entry = Entry::new("a", 1, 1);
     nats.publish_all([entry.json(), entry.json()]).await;
     let (ledger, probe) = (B::Ledger::default(), Probe::open());
-    // A pull that waits for the message (a fetch may answer before the consumer sees it).
-    let mut batch = consumer
-        .batch()
-        .max_messages(1)
-        .expires(Duration::from_secs(30))
-        .messages()
-        .await
-        .unwrap();
-    let original = batch.next().await.expect("a delivery").unwrap();
+    let original = crate::first_delivery(&consumer).await;
     let outcome = process_delivery(&inbox, &ledger, &probe, &original).await;
     assert_eq!(outcome.unwrap(), Outcome::Ack);
     original.double_ack().await.unwrap();
-    drop(batch);
 
     // The consumer then stops for longer than the retention. A marker of another consumer,
     // written now, tells when that much time has passed by the database's clock.

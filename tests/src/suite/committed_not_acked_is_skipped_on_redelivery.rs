@@ -6,7 +6,6 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::Entry;
 use crate::{NatsStream, Running};
-use futures::StreamExt;
 use inbox_runtime::{Outcome, process_delivery};
 use inbox_testkit::wait_until;
 use std::time::Duration;
@@ -21,16 +20,7 @@ async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
     let handler = B::LedgerByTransportId::default();
 
     // The first instance commits and never acks.
-    // A pull that waits for the message (a fetch answers at once, and on a consumer that has
-    // not yet seen the stored message that answer may be empty).
-    let mut batch = consumer
-        .batch()
-        .max_messages(1)
-        .expires(Duration::from_secs(30))
-        .messages()
-        .await
-        .unwrap();
-    let first = batch.next().await.expect("a delivery").unwrap();
+    let first = crate::first_delivery(&consumer).await;
     assert_eq!(
         process_delivery(&inbox, &handler, &(), &first)
             .await
@@ -38,7 +28,6 @@ async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
         Outcome::Ack
     );
     drop(first);
-    drop(batch);
 
     let worker = nats.worker(inbox, consumer).build(handler).unwrap();
     let run = Running::start(&worker);
