@@ -5,26 +5,31 @@
 //! statement of a message's transaction is now bounded by the deadline (PostgreSQL's
 //! `statement_timeout`, MariaDB's `max_statement_time`), so the server ends it with the try.
 //!
-//! On the server backends (the machine's MySQL flavour is MariaDB; MySQL itself has no bound
-//! for every statement: `max_execution_time` bounds SELECTs, and a lock wait is bounded by the
-//! inbox's lock timeout). SQLite runs in process. Also on MariaDB: the bound a message's
-//! transaction leaves on its connection does not cut a later wait for the fleet's migration
-//! lock.
+//! On the server backends. SQLite runs in process. MySQL itself has no bound for every statement
+//! (`max_execution_time` bounds SELECTs only): there a cut try's session is killed from a
+//! connection of its own; the machine's MySQL flavour is MariaDB, which is made to take MySQL's
+//! way (`Inbox::kill_cut_sessions`) in `on_mysql_a_cut_try_has_its_session_killed`. Also on
+//! MariaDB: the bound a message's transaction leaves on its connection does not cut a later wait
+//! for the fleet's migration lock.
 
+use inbox_runtime::Inbox;
 use inbox_testkit::wait_until;
 use inbox_tests::backends::TestBackend;
 use inbox_tests::handlers::{Entry, Probe};
 use inbox_tests::{NatsStream, Running};
 use std::time::Duration;
 
-async fn a_statement_ends_with_its_try<B: TestBackend>() {
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+/// A claim waiting behind a frozen peer is cut at the worker's deadline; its statement must end
+/// on the server with it. `way` makes the worker's inbox.
+async fn a_cut_claim_ends_on_the_server<B: TestBackend>(
+    db: &inbox_tests::backends::TestDb<B::Db>,
+    nats: &NatsStream,
+    way: impl FnOnce(Inbox<B::Db>) -> Inbox<B::Db>,
+) {
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     // The frozen peer: a transaction that inserted the marker of `k` and never finishes.
     let frozen = B::hold_in_transaction(
-        &db,
+        db,
         "INSERT INTO inbox (consumer, message_key) VALUES ('ledger', 'k')",
     )
     .await;
@@ -32,7 +37,7 @@ async fn a_statement_ends_with_its_try<B: TestBackend>() {
     let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
     let worker = nats
         .worker(
-            B::inbox(pool).lock_timeout(Duration::from_secs(120)),
+            way(B::inbox(pool).lock_timeout(Duration::from_secs(120))),
             consumer,
         )
         .deadline(Duration::from_secs(2))
@@ -42,7 +47,7 @@ async fn a_statement_ends_with_its_try<B: TestBackend>() {
         .unwrap();
     let run = Running::start(&worker);
     wait_until("the claim to wait", Duration::from_secs(20), async || {
-        B::waiting_writers(&db).await >= 1
+        B::waiting_writers(db).await >= 1
     })
     .await
     .unwrap();
@@ -55,13 +60,20 @@ async fn a_statement_ends_with_its_try<B: TestBackend>() {
     wait_until(
         "the cut try's statement to end on the server",
         Duration::from_secs(10),
-        async || B::waiting_writers(&db).await == 0,
+        async || B::waiting_writers(db).await == 0,
     )
     .await
     .unwrap_or_else(|e| panic!("{e}: the statement outlived its try"));
     frozen.rollback().await.expect("ROLLBACK");
     let stats = run.stop().await;
     assert_eq!(stats.acked, 0, "{stats:?}");
+}
+
+async fn a_statement_ends_with_its_try<B: TestBackend>() {
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    a_cut_claim_ends_on_the_server::<B>(&db, &nats, |inbox| inbox).await;
 
     // A connection that served a message (the only one of its pool) then waits for the
     // migration lock longer than the deadline: a session-wide bound left on it (MariaDB's is
@@ -108,3 +120,13 @@ async fn a_statement_ends_with_its_try<B: TestBackend>() {
 }
 
 inbox_tests::on_server_backends!(a_statement_ends_with_its_try);
+
+/// MySQL's way on the machine's MariaDB: no statement bound; the cut try's session is killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_a_cut_try_has_its_session_killed() {
+    type B = inbox_tests::backends::MySql;
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    a_cut_claim_ends_on_the_server::<B>(&db, &nats, Inbox::kill_cut_sessions).await;
+}

@@ -9,27 +9,95 @@
 //! drop instead (the server then ends the transaction), where the driver needs it
 //! (`Backend::CUT_BEGIN_LEAVES_TRANSACTION`: closing costs a new connection, and on SQLite a
 //! second writer waiting for the lock).
+//!
+//! A try cut at its deadline while a statement runs leaves that statement running on the server,
+//! holding its locks, unless a bound ends it there (`Backend::statement_timeout_sql`). Where no
+//! bound exists (MySQL; MariaDB has one), the try's connection is [armed](Beginning::arm) with its
+//! session's id, and dropping it before [`Beginning::settle`] kills that session from a connection
+//! of its own (`Backend::kill_session`) before the connection is let go.
 
 use super::Backend;
 use sqlx::pool::PoolConnection;
-use sqlx::{SqlStr, Transaction};
+use sqlx::{Pool, SqlStr, Transaction};
 use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::time::Duration;
+
+/// How long killing a cut try's session may take (connecting included) before it is given up.
+const KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// A pooled connection that leaves the pool, closed, if it is dropped while a BEGIN on it had
-/// not been answered.
+/// not been answered, or, [armed](Beginning::arm), before its try [settled](Beginning::settle).
 #[derive(Debug)]
 pub(crate) struct Beginning<DB: Backend> {
-    conn: PoolConnection<DB>,
+    /// `None` only once dropped.
+    conn: Option<PoolConnection<DB>>,
     /// Set from the BEGIN's sending to its answer.
     unanswered: bool,
+    /// The session to kill if the try is cut: the pool to connect with and the session's id.
+    kill: Option<(Pool<DB>, u64)>,
+}
+
+/// Whether the tries of an inbox must have their sessions killed when cut at their deadline:
+/// not known until a backend that may need it (MySQL, not MariaDB) has asked its server.
+/// Shared by the tries of one worker's inbox.
+#[derive(Debug, Default)]
+pub struct CutSessions(AtomicU8);
+
+/// What [`CutSessions`] knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// No deadline cuts the tries (an inbox used without a worker).
+    NoDeadline,
+    /// A deadline cuts them; whether their statements end with them is not known yet.
+    Unknown,
+    /// Their statements end with them (the server bounds every statement).
+    Bounded,
+    /// Their sessions must be killed.
+    Kill,
+}
+
+impl CutSessions {
+    /// Tries that a deadline cuts, on a server not asked yet.
+    pub(crate) fn deadline() -> Self {
+        CutSessions(AtomicU8::new(Cut::Unknown as u8))
+    }
+
+    /// What is known.
+    pub(crate) fn get(&self) -> Cut {
+        match self.0.load(Ordering::Relaxed) {
+            0 => Cut::NoDeadline,
+            1 => Cut::Unknown,
+            2 => Cut::Bounded,
+            _ => Cut::Kill,
+        }
+    }
+
+    /// Records what the server answered (or what a test forces).
+    pub(crate) fn set(&self, cut: Cut) {
+        self.0.store(cut as u8, Ordering::Relaxed);
+    }
 }
 
 impl<DB: Backend> Beginning<DB> {
     pub(crate) fn new(conn: PoolConnection<DB>) -> Self {
         Beginning {
-            conn,
+            conn: Some(conn),
             unanswered: false,
+            kill: None,
         }
+    }
+
+    /// Kills the session `id` (this connection's, on the server) from a connection of `pool`'s
+    /// options if this is dropped before [`Beginning::settle`].
+    pub(crate) fn arm(&mut self, pool: &Pool<DB>, id: u64) {
+        self.kill = Some((pool.clone(), id));
+    }
+
+    /// The try on this connection ended (whichever way) rather than being cut: nothing of it
+    /// runs on the server any more.
+    pub(crate) fn settle(&mut self) {
+        self.kill = None;
     }
 
     /// Begins a transaction on the connection with `sql`, as `sqlx::Connection::begin_with`.
@@ -37,7 +105,12 @@ impl<DB: Backend> Beginning<DB> {
         &mut self,
         sql: SqlStr,
     ) -> Result<Transaction<'_, DB>, sqlx::Error> {
-        let Beginning { conn, unanswered } = self;
+        let Beginning {
+            conn, unanswered, ..
+        } = self;
+        let conn = conn
+            .as_mut()
+            .expect("a Beginning's connection until it is dropped");
         *unanswered = DB::CUT_BEGIN_LEAVES_TRANSACTION;
         let tx = sqlx::Connection::begin_with(&mut **conn, sql).await;
         // Answered (begun or refused): sqlx knows the connection's state again.
@@ -47,7 +120,12 @@ impl<DB: Backend> Beginning<DB> {
 
     /// Begins a transaction on the connection, as `sqlx::Connection::begin`.
     pub(crate) async fn begin(&mut self) -> Result<Transaction<'_, DB>, sqlx::Error> {
-        let Beginning { conn, unanswered } = self;
+        let Beginning {
+            conn, unanswered, ..
+        } = self;
+        let conn = conn
+            .as_mut()
+            .expect("a Beginning's connection until it is dropped");
         *unanswered = DB::CUT_BEGIN_LEAVES_TRANSACTION;
         let tx = sqlx::Connection::begin(&mut **conn).await;
         *unanswered = false;
@@ -59,20 +137,52 @@ impl<DB: Backend> Deref for Beginning<DB> {
     type Target = PoolConnection<DB>;
 
     fn deref(&self) -> &PoolConnection<DB> {
-        &self.conn
+        self.conn
+            .as_ref()
+            .expect("a Beginning's connection until it is dropped")
     }
 }
 
 impl<DB: Backend> DerefMut for Beginning<DB> {
     fn deref_mut(&mut self) -> &mut PoolConnection<DB> {
-        &mut self.conn
+        self.conn
+            .as_mut()
+            .expect("a Beginning's connection until it is dropped")
     }
 }
 
 impl<DB: Backend> Drop for Beginning<DB> {
     fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
         if self.unanswered {
-            self.conn.close_on_drop();
+            conn.close_on_drop();
         }
+        let Some((pool, id)) = self.kill.take() else {
+            return;
+        };
+        // Cut: the session may still run a statement (a lock wait, a long write), holding its
+        // locks. Killed (which rolls its transaction back) before its connection is let go,
+        // closed: the pool must not hand it out while the kill is on its way.
+        conn.close_on_drop();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            match tokio::time::timeout(KILL_WAIT, DB::kill_session(pool, id)).await {
+                Ok(Ok(())) => tracing::debug!(session = id, "killed the session of a cut try"),
+                Ok(Err(e)) => tracing::warn!(
+                    session = id,
+                    error = %e,
+                    "could not kill the session of a try cut at its deadline; its statement runs until the server ends it"
+                ),
+                Err(_) => tracing::warn!(
+                    session = id,
+                    "killing the session of a try cut at its deadline took longer than {KILL_WAIT:?}; its statement runs until the server ends it"
+                ),
+            }
+            drop(conn);
+        });
     }
 }

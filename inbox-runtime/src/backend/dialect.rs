@@ -2,6 +2,7 @@
 //! public trait in a private module): its SQL is an implementation detail, and a new backend is
 //! added in this crate, where the conformance suite runs it (see CONTRIBUTING.md).
 
+use super::begin::CutSessions;
 use super::{Generic, TableName};
 use crate::layout::{Layout, Partitions};
 use sqlx::{Pool, SqlStr, Transaction};
@@ -160,6 +161,31 @@ pub trait Backend: sqlx::Database + Generic {
     /// bounds SELECTs only, so its statement bounds MariaDB alone).
     fn statement_timeout_sql(_timeout: Duration) -> Option<String> {
         None
+    }
+
+    /// Where [`Backend::statement_timeout_sql`] may not bound a server's statements (MySQL: the
+    /// bound is MariaDB's alone), the id of `conn`'s session when the server of `cut` needs it
+    /// killed should a try on `conn` be cut at its deadline (`backend::Beginning`); `None` where
+    /// the statements end with their try. Asks the server which it is once, then records it in
+    /// `cut`. `None` by default, without a round trip.
+    fn session_to_kill<'a>(
+        conn: &'a mut Self::Connection,
+        cut: &'a CutSessions,
+    ) -> impl Future<Output = Result<Option<u64>, sqlx::Error>> + Send + 'a {
+        let _ = (conn, cut);
+        std::future::ready(Ok(None))
+    }
+
+    /// Kills the session `id` (of a try cut at its deadline, [`Backend::session_to_kill`]),
+    /// which ends its statement and rolls its transaction back, from a connection opened with
+    /// `pool`'s options (the pool's own may all be taken). Only called where
+    /// [`Backend::session_to_kill`] gave an id.
+    fn kill_session(
+        pool: Pool<Self>,
+        id: u64,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send + 'static {
+        let _ = (pool, id);
+        std::future::ready(Ok(()))
     }
 
     /// Begins the transaction a message is processed in with `sql` ([`Backend::begin_sql`]).

@@ -10,9 +10,9 @@
 //! TRANSACTION`.
 
 use super::TableName;
-use super::{Backend, Claimed};
+use super::{Backend, Claimed, Cut, CutSessions};
 use crate::layout::Layout;
-use sqlx::{AssertSqlSafe, MySql, SqlSafeStr, SqlStr, Transaction};
+use sqlx::{AssertSqlSafe, MySql, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::time::Duration;
 
 impl Backend for MySql {
@@ -183,14 +183,75 @@ impl Backend for MySql {
     fn statement_timeout_sql(timeout: Duration) -> Option<String> {
         // MariaDB's `max_statement_time` bounds every statement, lock waits included (seconds,
         // fractions allowed). MySQL has no such bound (its `max_execution_time` bounds SELECTs
-        // only): the executable comment is MariaDB's alone, and the assignment before it, all
-        // MySQL runs, changes nothing. The setting is the session's: it stays on the connection
+        // only; a cut try's session is killed there instead, `session_to_kill`): the executable
+        // comment is MariaDB's alone, and the assignment before it, all MySQL runs, changes
+        // nothing. The setting is the session's: it stays on the connection
         // (see `RESET_STATEMENT_TIME` for the statements that must not have it).
         let secs = timeout.as_secs_f64().max(0.001);
         Some(format!(
             "SET SESSION innodb_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout \
              /*M!100100 , max_statement_time = {secs:.3} */"
         ))
+    }
+
+    async fn session_to_kill<'a>(
+        conn: &'a mut sqlx::MySqlConnection,
+        cut: &'a CutSessions,
+    ) -> Result<Option<u64>, sqlx::Error> {
+        // MariaDB bounds every statement by the deadline (`statement_timeout_sql`); MySQL has
+        // no such bound, so a cut try's session is killed there, and each try first learns its
+        // session's id (one round trip).
+        match cut.get() {
+            Cut::NoDeadline | Cut::Bounded => Ok(None),
+            Cut::Kill => {
+                let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
+                    .fetch_one(conn)
+                    .await?;
+                Ok(Some(id as u64))
+            }
+            Cut::Unknown => {
+                let (id, version): (i64, String) =
+                    sqlx::query_as("SELECT CAST(CONNECTION_ID() AS SIGNED), VERSION()")
+                        .fetch_one(conn)
+                        .await?;
+                if version.contains("MariaDB") {
+                    cut.set(Cut::Bounded);
+                    Ok(None)
+                } else {
+                    cut.set(Cut::Kill);
+                    Ok(Some(id as u64))
+                }
+            }
+        }
+    }
+
+    async fn kill_session(pool: Pool<MySql>, id: u64) -> Result<(), sqlx::Error> {
+        use sqlx::Connection;
+        let mut conn = sqlx::MySqlConnection::connect_with(&pool.connect_options()).await?;
+        // Only a session of the same user on the same database: after a server restart, the
+        // id may have gone to another client's session.
+        let ours: Option<i64> = sqlx::query_scalar(
+            "SELECT CAST(ID AS SIGNED) FROM information_schema.PROCESSLIST \
+             WHERE ID = ? AND USER = SUBSTRING_INDEX(USER(), '@', 1) AND DB <=> DATABASE()",
+        )
+        .bind(id)
+        .fetch_optional(&mut conn)
+        .await?;
+        if ours.is_some() {
+            let killed = sqlx::query(AssertSqlSafe(format!("KILL CONNECTION {id}")))
+                .execute(&mut conn)
+                .await;
+            match killed {
+                // 1094: no such session any more (it ended on its own meanwhile).
+                Err(sqlx::Error::Database(e))
+                    if e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+                        .is_some_and(|e| e.number() == 1094) => {}
+                other => {
+                    other?;
+                }
+            }
+        }
+        conn.close().await
     }
 
     fn is_timeout_error(err: &dyn sqlx::error::DatabaseError) -> bool {

@@ -168,7 +168,27 @@ impl<DB: InboxBackend> Inbox<DB> {
         if decoded.len() != keys.len() {
             return Err(Failed::Whole);
         }
-        let mut conn = Beginning::new(self.pool().acquire().await.map_err(|_| Failed::Whole)?);
+        let mut conn = self.try_connection().await.map_err(|_| Failed::Whole)?;
+        let tried = self
+            .batch_lean_on(&mut conn, handler, state, keys, deliveries, decoded)
+            .await;
+        conn.settle();
+        tried
+    }
+
+    /// [`Inbox::batch_lean`] on `conn`.
+    async fn batch_lean_on<H>(
+        &self,
+        conn: &mut Beginning<DB>,
+        handler: &H,
+        state: &H::State,
+        keys: &[&str],
+        deliveries: &[&Delivery],
+        decoded: Vec<H::Message>,
+    ) -> Result<Vec<Batched>, Failed>
+    where
+        H: Handler<Db = DB>,
+    {
         let mut tx = conn
             .begin_with(self.begin_batch::<H>())
             .await
@@ -324,7 +344,31 @@ impl<DB: InboxBackend> Inbox<DB> {
     where
         H: Handler<Db = DB>,
     {
-        let mut conn = Beginning::new(self.pool().acquire().await.map_err(|_| Failed::Whole)?);
+        let mut conn = self.try_connection().await.map_err(|_| Failed::Whole)?;
+        let tried = self
+            .batch_with_savepoints_on(
+                &mut conn, handler, state, keys, deliveries, culprit, message,
+            )
+            .await;
+        conn.settle();
+        tried
+    }
+
+    /// [`Inbox::batch_with_savepoints`] on `conn`.
+    #[allow(clippy::too_many_arguments)]
+    async fn batch_with_savepoints_on<H>(
+        &self,
+        conn: &mut Beginning<DB>,
+        handler: &H,
+        state: &H::State,
+        keys: &[&str],
+        deliveries: &[&Delivery],
+        culprit: Option<usize>,
+        message: &impl Fn(usize) -> Option<H::Message>,
+    ) -> Result<Vec<Batched>, Failed>
+    where
+        H: Handler<Db = DB>,
+    {
         let mut tx = conn
             .begin_with(self.begin_batch::<H>())
             .await

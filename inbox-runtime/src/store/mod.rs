@@ -16,7 +16,10 @@ mod two_phase;
 pub(crate) use batch::Batched;
 pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
 
-use crate::backend::{DEFAULT_LOCK_TIMEOUT, InboxBackend, InboxStatements, TableName, migrate};
+use crate::backend::{
+    Beginning, Cut, CutSessions, DEFAULT_LOCK_TIMEOUT, InboxBackend, InboxStatements, TableName,
+    migrate,
+};
 use crate::claim::DEFAULT_LEASE;
 use crate::layout::Layout;
 use sqlx::Pool;
@@ -49,6 +52,8 @@ pub struct Inbox<DB: InboxBackend> {
     /// Duplicates found with another payload than their key's first, by this inbox and its
     /// clones.
     pub(crate) key_reuses: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Whether a try cut at its deadline has its session killed (see `Inbox::try_connection`).
+    cut: std::sync::Arc<CutSessions>,
 }
 
 impl<DB: InboxBackend> Clone for Inbox<DB> {
@@ -62,6 +67,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
             migration_wait: self.migration_wait,
             sql: self.sql.clone(),
             key_reuses: self.key_reuses.clone(),
+            cut: self.cut.clone(),
         }
     }
 }
@@ -83,6 +89,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             lease: DEFAULT_LEASE,
             migration_wait: migrate::MIGRATION_LOCK_WAIT,
             key_reuses: Default::default(),
+            cut: Default::default(),
         }
     }
 
@@ -131,9 +138,40 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// This inbox with every statement of a message's transaction bounded by `timeout` (a
     /// worker's deadline), where the database can (PostgreSQL's `statement_timeout`, MariaDB's
     /// `max_statement_time`).
+    /// Where the database has no such bound (MySQL), a try cut at its deadline has its session
+    /// killed instead (see [`Inbox::try_connection`]).
     pub(crate) fn bounded_by(mut self, timeout: Duration) -> Self {
+        if self.cut.get() == Cut::Kill {
+            // Forced (`kill_cut_sessions`): the bound is left out, so that the kill is what
+            // ends a cut try's statement.
+            return self;
+        }
         self.sql.bound_statements::<DB>(timeout);
+        self.cut = std::sync::Arc::new(CutSessions::deadline());
         self
+    }
+
+    /// For tests (feature `test-util`, not part of the stable API): on MariaDB, what a worker's
+    /// deadline does on MySQL, which cannot bound every statement: no statement bound, and a
+    /// try cut at its deadline has its session killed. Nothing on the other backends.
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn kill_cut_sessions(mut self) -> Self {
+        let cut = CutSessions::deadline();
+        cut.set(Cut::Kill);
+        self.cut = std::sync::Arc::new(cut);
+        self
+    }
+
+    /// A connection for a message's try, armed (where the server cannot bound the try's
+    /// statements by its deadline) to kill its session should the try be cut: call
+    /// [`Beginning::settle`] once the try has ended.
+    pub(crate) async fn try_connection(&self) -> Result<Beginning<DB>, sqlx::Error> {
+        let mut conn = Beginning::new(self.pool.acquire().await?);
+        if let Some(id) = DB::session_to_kill(&mut conn, &self.cut).await? {
+            conn.arm(&self.pool, id);
+        }
+        Ok(conn)
     }
 
     /// For tests (feature `test-util`, not part of the stable API): how long

@@ -3,7 +3,7 @@
 //! reply was lost.
 
 use super::Inbox;
-use crate::backend::{Beginning, Claimed, InboxBackend};
+use crate::backend::{Claimed, InboxBackend};
 use crate::classify::is_read_only;
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
@@ -70,7 +70,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         };
         // The connection is held apart from its transaction: one that answers "read-only" (to
         // a standby, after a failover) leaves the pool, since a new one may reach the primary.
-        let mut conn = Beginning::new(self.pool.acquire().await.map_err(begin)?);
+        let mut conn = self.try_connection().await.map_err(begin)?;
         let done = async {
             let mut tx = conn
                 .begin_with(self.sql.begin.clone())
@@ -93,6 +93,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             }
         }
         .await;
+        conn.settle();
         if let Err(e) = &done
             && is_read_only::<DB>(e)
         {
