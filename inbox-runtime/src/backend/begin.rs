@@ -105,21 +105,19 @@ impl<DB: Backend> Beginning<DB> {
         &mut self,
         sql: SqlStr,
     ) -> Result<Transaction<'_, DB>, sqlx::Error> {
-        let Beginning {
-            conn, unanswered, ..
-        } = self;
-        let conn = conn
-            .as_mut()
-            .expect("a Beginning's connection until it is dropped");
-        *unanswered = DB::CUT_BEGIN_LEAVES_TRANSACTION;
-        let tx = sqlx::Connection::begin_with(&mut **conn, sql).await;
-        // Answered (begun or refused): sqlx knows the connection's state again.
-        *unanswered = false;
-        tx
+        self.begin_maybe_with(Some(sql)).await
     }
 
     /// Begins a transaction on the connection, as `sqlx::Connection::begin`.
     pub(crate) async fn begin(&mut self) -> Result<Transaction<'_, DB>, sqlx::Error> {
+        self.begin_maybe_with(None).await
+    }
+
+    /// Begins with `sql`, or sqlx's own BEGIN, marked unanswered until the answer is read.
+    async fn begin_maybe_with(
+        &mut self,
+        sql: Option<SqlStr>,
+    ) -> Result<Transaction<'_, DB>, sqlx::Error> {
         let Beginning {
             conn, unanswered, ..
         } = self;
@@ -127,7 +125,11 @@ impl<DB: Backend> Beginning<DB> {
             .as_mut()
             .expect("a Beginning's connection until it is dropped");
         *unanswered = DB::CUT_BEGIN_LEAVES_TRANSACTION;
-        let tx = sqlx::Connection::begin(&mut **conn).await;
+        let tx = match sql {
+            Some(sql) => sqlx::Connection::begin_with(&mut **conn, sql).await,
+            None => sqlx::Connection::begin(&mut **conn).await,
+        };
+        // Answered (begun or refused): sqlx knows the connection's state again.
         *unanswered = false;
         tx
     }
