@@ -3,10 +3,11 @@
 //! protocol itself (phase 1, lease renewal, phase 2, release) is the store's:
 //! `store/two_phase.rs`.
 
-use crate::backend::{InboxBackend, TableName};
+use crate::backend::{ArmedTx, CutSessions, InboxBackend, TableName};
 use sha2::{Digest, Sha256};
 use sqlx::{Pool, SqlStr, Transaction};
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// How long a two-phase claim's lease lasts by default: see [`Inbox::lease`](crate::Inbox::lease).
@@ -41,7 +42,9 @@ pub struct Claim<DB: InboxBackend> {
     attempt: i64,
     pool: Pool<DB>,
     begin: SqlStr,
-    tx: Option<Transaction<'static, DB>>,
+    /// Whether the transaction's session is killed if the try is cut (MySQL).
+    cut: Arc<CutSessions>,
+    tx: Option<ArmedTx<DB>>,
 }
 
 impl<DB: InboxBackend> fmt::Debug for Claim<DB> {
@@ -81,7 +84,9 @@ impl<DB: InboxBackend> Claim<DB> {
         self.attempt
     }
 
-    /// A claim owned with `fence` at `attempt`; its transaction begins on `pool` with `begin`.
+    /// A claim owned with `fence` at `attempt`; its transaction begins on `pool` with `begin`,
+    /// armed as `cut` says.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         key: String,
         idempotency_key: String,
@@ -89,6 +94,7 @@ impl<DB: InboxBackend> Claim<DB> {
         attempt: i64,
         pool: Pool<DB>,
         begin: SqlStr,
+        cut: Arc<CutSessions>,
     ) -> Self {
         Claim {
             key,
@@ -97,12 +103,13 @@ impl<DB: InboxBackend> Claim<DB> {
             attempt,
             pool,
             begin,
+            cut,
             tx: None,
         }
     }
 
-    /// The transaction the handler began, if it did: phase 2 commits "done" in it.
-    pub(crate) fn take_tx(&mut self) -> Option<Transaction<'static, DB>> {
+    /// The transaction the handler began, if it did, still armed: phase 2 commits "done" in it.
+    pub(crate) fn take_tx(&mut self) -> Option<ArmedTx<DB>> {
         self.tx.take()
     }
 
@@ -111,9 +118,10 @@ impl<DB: InboxBackend> Claim<DB> {
     /// connection while open. Never commit or roll it back yourself.
     pub async fn tx(&mut self) -> Result<&mut Transaction<'static, DB>, sqlx::Error> {
         if self.tx.is_none() {
-            self.tx = Some(DB::begin(&self.pool, self.begin.clone()).await?);
+            let begin = self.begin.clone();
+            self.tx = Some(ArmedTx::begin(&self.pool, begin, &self.cut).await?);
         }
-        Ok(self.tx.as_mut().expect("begun above"))
+        Ok(self.tx.as_deref_mut().expect("begun above"))
     }
 }
 

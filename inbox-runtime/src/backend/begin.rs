@@ -74,6 +74,10 @@ impl CutSessions {
     }
 
     /// Records what the server answered (or what a test forces).
+    #[cfg_attr(
+        not(any(feature = "mysql", feature = "test-util")),
+        allow(dead_code, reason = "only MySQL's server and tests tell")
+    )]
     pub(crate) fn set(&self, cut: Cut) {
         self.0.store(cut as u8, Ordering::Relaxed);
     }
@@ -161,30 +165,103 @@ impl<DB: Backend> Drop for Beginning<DB> {
         if self.unanswered {
             conn.close_on_drop();
         }
-        let Some((pool, id)) = self.kill.take() else {
+        let Some(kill) = self.kill.take() else {
             return;
         };
         // Cut: the session may still run a statement (a lock wait, a long write), holding its
         // locks. Killed (which rolls its transaction back) before its connection is let go,
         // closed: the pool must not hand it out while the kill is on its way.
         conn.close_on_drop();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        kill_then_drop(kill, conn);
+    }
+}
+
+/// A transaction begun from the pool (a two-phase claim's, which the handler holds between its
+/// calls) whose session is killed, like an [armed](Beginning::arm) [`Beginning`]'s, if it is
+/// dropped before it is [taken out](ArmedTx::into_inner) to be ended: a try cut at its deadline, where the server
+/// bounds no statement by it (MySQL).
+#[derive(Debug)]
+pub(crate) struct ArmedTx<DB: Backend> {
+    /// `None` only once dropped.
+    tx: Option<Transaction<'static, DB>>,
+    /// The session to kill if the try is cut.
+    kill: Option<(Pool<DB>, u64)>,
+}
+
+impl<DB: Backend> ArmedTx<DB> {
+    /// Begins a transaction on `pool` with `sql`, armed if `cut` says that a cut try's session
+    /// must be killed (asking the server the first time).
+    pub(crate) async fn begin(
+        pool: &Pool<DB>,
+        sql: SqlStr,
+        cut: &CutSessions,
+    ) -> Result<Self, sqlx::Error> {
+        let mut tx = DB::begin(pool, sql).await?;
+        let id = DB::session_to_kill(&mut *tx, cut).await?;
+        Ok(ArmedTx {
+            tx: Some(tx),
+            kill: id.map(|id| (pool.clone(), id)),
+        })
+    }
+
+    /// The transaction, to commit or roll back: the try settled (ended rather than cut), its
+    /// session is no longer killed.
+    pub(crate) fn into_inner(mut self) -> Transaction<'static, DB> {
+        self.kill = None;
+        self.tx
+            .take()
+            .expect("an ArmedTx's transaction until it is dropped")
+    }
+}
+
+impl<DB: Backend> Deref for ArmedTx<DB> {
+    type Target = Transaction<'static, DB>;
+
+    fn deref(&self) -> &Transaction<'static, DB> {
+        self.tx
+            .as_ref()
+            .expect("an ArmedTx's transaction until it is dropped")
+    }
+}
+
+impl<DB: Backend> DerefMut for ArmedTx<DB> {
+    fn deref_mut(&mut self) -> &mut Transaction<'static, DB> {
+        self.tx
+            .as_mut()
+            .expect("an ArmedTx's transaction until it is dropped")
+    }
+}
+
+impl<DB: Backend> Drop for ArmedTx<DB> {
+    fn drop(&mut self) {
+        let (Some(tx), Some(kill)) = (self.tx.take(), self.kill.take()) else {
             return;
         };
-        runtime.spawn(async move {
-            match tokio::time::timeout(KILL_WAIT, DB::kill_session(pool, id)).await {
-                Ok(Ok(())) => tracing::debug!(session = id, "killed the session of a cut try"),
-                Ok(Err(e)) => tracing::warn!(
-                    session = id,
-                    error = %e,
-                    "could not kill the session of a try cut at its deadline; its statement runs until the server ends it"
-                ),
-                Err(_) => tracing::warn!(
-                    session = id,
-                    "killing the session of a try cut at its deadline took longer than {KILL_WAIT:?}; its statement runs until the server ends it"
-                ),
-            }
-            drop(conn);
-        });
+        // The transaction (and so its connection) is held until the kill is done: its
+        // connection goes back to the pool dead, and is closed there, never handed out first.
+        kill_then_drop(kill, tx);
     }
+}
+
+/// Kills session `id` from a connection of `pool`'s options, on a task of its own, and only then
+/// drops `held` (the cut try's connection or transaction).
+fn kill_then_drop<DB: Backend, T: Send + 'static>((pool, id): (Pool<DB>, u64), held: T) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        match tokio::time::timeout(KILL_WAIT, DB::kill_session(pool, id)).await {
+            Ok(Ok(())) => tracing::debug!(session = id, "killed the session of a cut try"),
+            Ok(Err(e)) => tracing::warn!(
+                session = id,
+                error = %e,
+                "could not kill the session of a try cut at its deadline; its statement runs until the server ends it"
+            ),
+            Err(_) => tracing::warn!(
+                session = id,
+                "killing the session of a try cut at its deadline took longer than {KILL_WAIT:?}; its statement runs until the server ends it"
+            ),
+        }
+        drop(held);
+    });
 }

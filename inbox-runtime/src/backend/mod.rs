@@ -27,7 +27,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub(crate) use begin::{Beginning, Cut, CutSessions};
+pub(crate) use begin::{ArmedTx, Beginning, Cut, CutSessions};
 pub(crate) use dialect::{Backend, Claimed, RelayTurns};
 pub(crate) use executor::Generic;
 pub use rows::FailedRow;

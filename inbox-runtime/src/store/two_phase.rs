@@ -19,12 +19,12 @@
 //! [`Inbox::open_claims`] lists those left open (the worker's sweeper logs them).
 
 use super::Inbox;
-use crate::backend::{Beginning, Claimed, InboxBackend};
+use crate::backend::{ArmedTx, Beginning, Claimed, InboxBackend};
 use crate::claim::{Claim, OpenClaim, idempotency_key};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome};
-use sqlx::{SqlStr, Transaction};
+use sqlx::SqlStr;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -101,6 +101,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             attempt,
             self.pool().clone(),
             self.sql.begin.clone(),
+            self.cut.clone(),
         );
         let renewal = self.keep_renewed(id, fence, lease);
         tokio::pin!(renewal);
@@ -119,7 +120,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 // Released at once, so that the next try takes the claim over without waiting
                 // for the lease; the guard retries on a task of its own if this fails.
                 if let Some(tx) = claim.take_tx() {
-                    let _ = tx.rollback().await;
+                    let _ = tx.into_inner().rollback().await;
                 }
                 match self.release(id, fence).await {
                     Ok(()) => guard.armed = false,
@@ -278,7 +279,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// Phase 2: marks the claim done in `tx` (the handler's, or a new one) if `fence` holds it.
     async fn complete(
         &self,
-        tx: Option<Transaction<'static, DB>>,
+        tx: Option<ArmedTx<DB>>,
         consumer: &str,
         key: &str,
         id: i64,
@@ -290,19 +291,25 @@ impl<DB: InboxBackend> Inbox<DB> {
         };
         // Held apart from its transaction: closed if the BEGIN is cut at the deadline.
         let mut conn = None;
-        let mut tx = match tx {
-            Some(tx) => tx,
+        let complete = self.sql.claims.complete.clone();
+        let (tx, done) = match tx {
+            Some(mut armed) => {
+                // Still armed while "done" is written: a cut there kills the session too.
+                let done = DB::execute_fenced(&mut **armed, complete, None, id, fence).await;
+                (armed.into_inner(), done)
+            }
             None => {
                 let conn = conn.insert(Beginning::new(
                     self.pool().acquire().await.map_err(begin_err)?,
                 ));
-                conn.begin_with(self.sql.begin.clone())
+                let mut tx = conn
+                    .begin_with(self.sql.begin.clone())
                     .await
-                    .map_err(begin_err)?
+                    .map_err(begin_err)?;
+                let done = DB::execute_fenced(&mut *tx, complete, None, id, fence).await;
+                (tx, done)
             }
         };
-        let done =
-            DB::execute_fenced(&mut *tx, self.sql.claims.complete.clone(), None, id, fence).await;
         match done.map(|d| DB::rows_affected(&d)) {
             Ok(0) => {
                 let _ = tx.rollback().await;
