@@ -14,7 +14,9 @@
 //! holding its locks, unless a bound ends it there (`Backend::statement_timeout_sql`). Where no
 //! bound exists (MySQL; MariaDB has one), the try's connection is [armed](Beginning::arm) with its
 //! session's id, and dropping it before [`Beginning::settle`] kills that session from a connection
-//! of its own (`Backend::kill_session`) before the connection is let go.
+//! of its own (`Backend::kill_session`) before the connection is let go. A two-phase claim's
+//! transaction, begun from the pool and held by the handler between its calls, is an
+//! [`ArmedTx`], killed the same way if dropped before it is ended.
 
 use super::Backend;
 use sqlx::pool::PoolConnection;
@@ -178,8 +180,13 @@ impl<DB: Backend> Drop for Beginning<DB> {
 
 /// A transaction begun from the pool (a two-phase claim's, which the handler holds between its
 /// calls) whose session is killed, like an [armed](Beginning::arm) [`Beginning`]'s, if it is
-/// dropped before it is [taken out](ArmedTx::into_inner) to be ended: a try cut at its deadline, where the server
-/// bounds no statement by it (MySQL).
+/// dropped before it is ended ([`ArmedTx::into_inner`], [`ArmedTx::rollback`]): a try cut at its
+/// deadline, or abandoned by a panic or a lost lease, where the server bounds no statement by the
+/// deadline (MySQL).
+///
+/// Unlike a [`Beginning`]'s, its connection cannot be marked to close: it goes back to the pool
+/// dead once the kill is done, and is closed there; should the kill fail (or time out), it goes
+/// back as it is once its statement ends, its transaction rolled back.
 #[derive(Debug)]
 pub(crate) struct ArmedTx<DB: Backend> {
     /// `None` only once dropped.
@@ -204,13 +211,40 @@ impl<DB: Backend> ArmedTx<DB> {
         })
     }
 
-    /// The transaction, to commit or roll back: the try settled (ended rather than cut), its
-    /// session is no longer killed.
+    /// The transaction, to commit: the try settled (ended rather than cut), its session is no
+    /// longer killed. A COMMIT cut on its way is not killed either: whether it committed is for
+    /// the marker to tell.
     pub(crate) fn into_inner(mut self) -> Transaction<'static, DB> {
         self.kill = None;
         self.tx
             .take()
             .expect("an ArmedTx's transaction until it is dropped")
+    }
+
+    /// Rolls the transaction back, still killing its session if this is cut before the ROLLBACK
+    /// is answered: a handler that returned an error may have left a statement of its own running
+    /// (one it stopped waiting for), which the ROLLBACK waits behind.
+    pub(crate) async fn rollback(mut self) -> Result<(), sqlx::Error> {
+        let tx = self
+            .tx
+            .take()
+            .expect("an ArmedTx's transaction until it is dropped");
+        let mut pending = KillOnDrop(self.kill.take());
+        let rolled_back = tx.rollback().await;
+        pending.0 = None;
+        rolled_back
+    }
+}
+
+/// Kills a session if dropped while it holds one, holding nothing itself: what was cut goes back
+/// to the pool meanwhile, and is closed there once the kill lands.
+struct KillOnDrop<DB: Backend>(Option<(Pool<DB>, u64)>);
+
+impl<DB: Backend> Drop for KillOnDrop<DB> {
+    fn drop(&mut self) {
+        if let Some(kill) = self.0.take() {
+            kill_then_drop(kill, ());
+        }
     }
 }
 
@@ -238,13 +272,15 @@ impl<DB: Backend> Drop for ArmedTx<DB> {
             return;
         };
         // The transaction (and so its connection) is held until the kill is done: its
-        // connection goes back to the pool dead, and is closed there, never handed out first.
+        // connection goes back to the pool dead, and is closed there.
         kill_then_drop(kill, tx);
     }
 }
 
 /// Kills session `id` from a connection of `pool`'s options, on a task of its own, and only then
-/// drops `held` (the cut try's connection or transaction).
+/// drops `held` (the cut try's connection or transaction). A kill that times out after its
+/// request was sent may still land later, on whoever holds that session then: a lost connection
+/// to them, which they retry.
 fn kill_then_drop<DB: Backend, T: Send + 'static>((pool, id): (Pool<DB>, u64), held: T) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;

@@ -165,7 +165,8 @@ pub trait Backend: sqlx::Database + Generic {
 
     /// Where [`Backend::statement_timeout_sql`] may not bound a server's statements (MySQL: the
     /// bound is MariaDB's alone), the id of `conn`'s session when the server of `cut` needs it
-    /// killed should a try on `conn` be cut at its deadline (`backend::Beginning`); `None` where
+    /// killed should a try on `conn` be cut at its deadline (`backend::Beginning`,
+    /// `backend::ArmedTx`); `None` where
     /// the statements end with their try. Asks the server which it is once, then records it in
     /// `cut`. `None` by default, without a round trip.
     fn session_to_kill<'a>(

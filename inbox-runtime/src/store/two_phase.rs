@@ -120,7 +120,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 // Released at once, so that the next try takes the claim over without waiting
                 // for the lease; the guard retries on a task of its own if this fails.
                 if let Some(tx) = claim.take_tx() {
-                    let _ = tx.into_inner().rollback().await;
+                    let _ = tx.rollback().await;
                 }
                 match self.release(id, fence).await {
                     Ok(()) => guard.armed = false,
