@@ -8,11 +8,13 @@
 //! On the server backends. SQLite runs in process. MySQL itself has no bound for every statement
 //! (`max_execution_time` bounds SELECTs only): there a cut try's session is killed from a
 //! connection of its own; the machine's MySQL flavour is MariaDB, which is made to take MySQL's
-//! way (`Inbox::kill_cut_sessions`) in `on_mysql_a_cut_try_has_its_session_killed`. Also on
+//! way (`Inbox::kill_cut_sessions`) in the `on_mysql_*` tests: a message's try, a two-phase
+//! claim's transaction cut while the handler writes in it, and one cut in the ROLLBACK after the
+//! handler failed, leaving a write of its own behind. Also on
 //! MariaDB: the bound a message's transaction leaves on its connection does not cut a later wait
 //! for the fleet's migration lock.
 
-use inbox_runtime::Inbox;
+use inbox_runtime::{BoxError, Claim, Inbox, idempotent};
 use inbox_testkit::wait_until;
 use inbox_tests::backends::TestBackend;
 use inbox_tests::handlers::{Entry, Probe};
@@ -175,6 +177,70 @@ async fn on_mysql_a_cut_two_phase_try_has_its_session_killed() {
     .unwrap();
     wait_until(
         "the cut try's statement to end on the server",
+        Duration::from_secs(10),
+        async || B::count(&db, waiting).await == 0,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: the statement outlived its try"));
+    frozen.rollback().await.expect("ROLLBACK");
+    let stats = run.stop().await;
+    assert_eq!(stats.acked, 0, "{stats:?}");
+}
+
+/// Two-phase, on MySQL: writes to the ledger in the claim's transaction, stops waiting for that
+/// write after half a second, and fails; its ROLLBACK then waits behind the write it left.
+#[idempotent(consumer = "abandons", key = msg.key, claim)]
+async fn abandons(msg: Entry, claim: &mut Claim<sqlx::MySql>) -> Result<(), BoxError> {
+    let insert = sqlx::query("INSERT INTO ledger (msg_key, account, amount) VALUES (?, ?, ?)")
+        .bind(msg.key)
+        .bind(msg.account)
+        .bind(msg.amount);
+    let tx = claim.tx().await?;
+    match tokio::time::timeout(Duration::from_millis(500), insert.execute(&mut **tx)).await {
+        Ok(done) => done.map(drop).map_err(Into::into),
+        Err(_) => Err("the ledger did not answer within 500 ms".into()),
+    }
+}
+
+/// MySQL's way on the machine's MariaDB: a two-phase handler that failed, leaving a write of its
+/// own waiting, has its claim rolled back; the ROLLBACK waits behind that write and is cut at the
+/// deadline; the session must be killed then too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_a_failed_claim_cut_in_its_rollback_has_its_session_killed() {
+    type B = inbox_tests::backends::MySql;
+    let waiting = "SELECT count(*) FROM information_schema.processlist \
+                   WHERE db = DATABASE() AND info LIKE 'INSERT INTO ledger %'";
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let frozen = B::hold_in_transaction(&db, "SELECT * FROM ledger FOR UPDATE").await;
+    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
+    let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
+    let inbox = B::inbox(pool)
+        .lock_timeout(Duration::from_secs(120))
+        .kill_cut_sessions();
+    let worker = nats
+        .worker(inbox, consumer)
+        .deadline(Duration::from_secs(2))
+        .nak_delay(Duration::from_secs(120), Duration::from_secs(120))
+        .build(abandons)
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until(
+        "the handler's write to wait",
+        Duration::from_secs(20),
+        async || B::count(&db, waiting).await >= 1,
+    )
+    .await
+    .unwrap();
+    wait_until("the try to be cut", Duration::from_secs(20), async || {
+        worker.stats().nacked >= 1
+    })
+    .await
+    .unwrap();
+    wait_until(
+        "the abandoned write to end on the server",
         Duration::from_secs(10),
         async || B::count(&db, waiting).await == 0,
     )
