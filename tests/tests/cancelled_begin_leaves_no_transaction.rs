@@ -211,3 +211,24 @@ async fn a_letter_parked_on_a_connection_left_in_a_transaction_is_kept() {
         "the termed message's letter was lost"
     );
 }
+
+/// A two-phase claim's transaction is begun from the pool, where MySQL's driver does not count a
+/// BEGIN cut on the wire: the lease statements that ran next on that connection (a renewal, a
+/// release) ran inside the transaction it left, uncommitted, holding the claim row's lock until
+/// the connection's next BEGIN. A lease statement's connection now commits first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_statement_after_a_cut_begin_is_not_left_in_its_transaction() {
+    type B = MySql;
+    let db = B::create(1).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let mut proxy = TcpProxy::reserve().unwrap();
+    let pool = inbox_tests::pool_through::<B>(&db, &mut proxy, 1).await;
+    cut_a_begin(&pool, &proxy).await;
+    // A release on the pool's one connection, the one the cut BEGIN left.
+    let released = B::inbox(pool.clone()).release_claim("c", "k").await;
+    assert!(!released.expect("the release"), "no claim to release");
+    assert!(
+        !mysql_in_transaction(&pool).await,
+        "the lease statement ran inside the transaction a cut BEGIN left, uncommitted"
+    );
+}

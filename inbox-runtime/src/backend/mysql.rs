@@ -25,8 +25,12 @@ impl Backend for MySql {
     const VERSION_SQL: Option<&'static str> = Some("SELECT VERSION()");
     const BYTE_LENGTH: &'static str = "LENGTH";
 
+    // The COMMIT first, as in `begin_sql`: a pooled connection is never inside a transaction of
+    // its own when taken for a lease statement, but one a cut BEGIN left (a two-phase claim's,
+    // begun from the pool, where the driver does not count it) would keep the lease's renewal
+    // or release uncommitted, and its row lock held, until that connection's next BEGIN.
     const UTC_SESSION: Option<(&'static str, &'static str)> = Some((
-        "SET @inbox_time_zone = @@session.time_zone, @@session.time_zone = '+00:00'",
+        "COMMIT; SET @inbox_time_zone = @@session.time_zone, @@session.time_zone = '+00:00'",
         "SET @@session.time_zone = @inbox_time_zone",
     ));
 
