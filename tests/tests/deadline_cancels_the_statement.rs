@@ -133,11 +133,16 @@ async fn on_mysql_a_cut_try_has_its_session_killed() {
     a_cut_claim_ends_on_the_server::<B>(&db, &nats, Inbox::kill_cut_sessions).await;
 }
 
-/// MySQL's way on the machine's MariaDB, for a two-phase handler: the claim's transaction (which
-/// the handler holds between its calls, begun from the pool) is cut at the deadline while its
-/// write waits behind a frozen peer; its session must be killed too.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn on_mysql_a_cut_two_phase_try_has_its_session_killed() {
+/// On MariaDB made to take MySQL's way: a two-phase handler's write to the ledger waits behind a
+/// frozen peer (a locking read of the whole, empty, ledger, which makes every insert into it
+/// wait: InnoDB locks the gap up to the supremum) when the try is cut at its deadline; the write
+/// must end on the server with it. `build` makes the worker from its builder.
+async fn a_cut_ledger_write_ends_on_the_server<H>(
+    build: impl FnOnce(inbox_runtime::WorkerBuilder<sqlx::MySql>) -> inbox_runtime::Worker<H>,
+) where
+    H: inbox_runtime::Handler<Db = sqlx::MySql>,
+    H::Message: serde::de::DeserializeOwned,
+{
     type B = inbox_tests::backends::MySql;
     let waiting = "SELECT count(*) FROM information_schema.processlist \
                    WHERE db = DATABASE() AND info LIKE 'INSERT INTO ledger %'";
@@ -145,23 +150,18 @@ async fn on_mysql_a_cut_two_phase_try_has_its_session_killed() {
     B::inbox(db.pool.clone()).migrate().await.unwrap();
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    // The frozen peer: a locking read of the whole (empty) ledger, which makes every insert into
-    // it wait (InnoDB locks the gap up to the supremum).
     let frozen = B::hold_in_transaction(&db, "SELECT * FROM ledger FOR UPDATE").await;
     nats.publish_all([Entry::new("k", 1, 1).json()]).await;
     let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
     let inbox = B::inbox(pool)
         .lock_timeout(Duration::from_secs(120))
         .kill_cut_sessions();
-    let worker = nats
-        .worker(inbox, consumer)
-        .deadline(Duration::from_secs(2))
-        .nak_delay(Duration::from_secs(120), Duration::from_secs(120))
-        .build_with_state(
-            <B as TestBackend>::Remote::default(),
-            inbox_tests::handlers::Remote::default(),
-        )
-        .unwrap();
+    let worker = build(
+        nats.worker(inbox, consumer)
+            .deadline(Duration::from_secs(2))
+            // No second try while the test looks.
+            .nak_delay(Duration::from_secs(120), Duration::from_secs(120)),
+    );
     let run = Running::start(&worker);
     wait_until(
         "the handler's write to wait",
@@ -176,7 +176,7 @@ async fn on_mysql_a_cut_two_phase_try_has_its_session_killed() {
     .await
     .unwrap();
     wait_until(
-        "the cut try's statement to end on the server",
+        "the cut try's write to end on the server",
         Duration::from_secs(10),
         async || B::count(&db, waiting).await == 0,
     )
@@ -185,6 +185,21 @@ async fn on_mysql_a_cut_two_phase_try_has_its_session_killed() {
     frozen.rollback().await.expect("ROLLBACK");
     let stats = run.stop().await;
     assert_eq!(stats.acked, 0, "{stats:?}");
+}
+
+/// The claim's transaction (which the handler holds between its calls, begun from the pool) is
+/// cut at the deadline while the handler's write in it waits: its session must be killed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_a_cut_two_phase_try_has_its_session_killed() {
+    a_cut_ledger_write_ends_on_the_server(|builder| {
+        builder
+            .build_with_state(
+                <inbox_tests::backends::MySql as TestBackend>::Remote::default(),
+                inbox_tests::handlers::Remote::default(),
+            )
+            .unwrap()
+    })
+    .await;
 }
 
 /// Two-phase, on MySQL: writes to the ledger in the claim's transaction, stops waiting for that
@@ -202,51 +217,10 @@ async fn abandons(msg: Entry, claim: &mut Claim<sqlx::MySql>) -> Result<(), BoxE
     }
 }
 
-/// MySQL's way on the machine's MariaDB: a two-phase handler that failed, leaving a write of its
-/// own waiting, has its claim rolled back; the ROLLBACK waits behind that write and is cut at the
-/// deadline; the session must be killed then too.
+/// A two-phase handler that failed, leaving a write of its own waiting, has its claim rolled
+/// back; the ROLLBACK waits behind that write and is cut at the deadline: the session must be
+/// killed then too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql_a_failed_claim_cut_in_its_rollback_has_its_session_killed() {
-    type B = inbox_tests::backends::MySql;
-    let waiting = "SELECT count(*) FROM information_schema.processlist \
-                   WHERE db = DATABASE() AND info LIKE 'INSERT INTO ledger %'";
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let frozen = B::hold_in_transaction(&db, "SELECT * FROM ledger FOR UPDATE").await;
-    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
-    let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
-    let inbox = B::inbox(pool)
-        .lock_timeout(Duration::from_secs(120))
-        .kill_cut_sessions();
-    let worker = nats
-        .worker(inbox, consumer)
-        .deadline(Duration::from_secs(2))
-        .nak_delay(Duration::from_secs(120), Duration::from_secs(120))
-        .build(abandons)
-        .unwrap();
-    let run = Running::start(&worker);
-    wait_until(
-        "the handler's write to wait",
-        Duration::from_secs(20),
-        async || B::count(&db, waiting).await >= 1,
-    )
-    .await
-    .unwrap();
-    wait_until("the try to be cut", Duration::from_secs(20), async || {
-        worker.stats().nacked >= 1
-    })
-    .await
-    .unwrap();
-    wait_until(
-        "the abandoned write to end on the server",
-        Duration::from_secs(10),
-        async || B::count(&db, waiting).await == 0,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}: the statement outlived its try"));
-    frozen.rollback().await.expect("ROLLBACK");
-    let stats = run.stop().await;
-    assert_eq!(stats.acked, 0, "{stats:?}");
+    a_cut_ledger_write_ends_on_the_server(|builder| builder.build(abandons).unwrap()).await;
 }
