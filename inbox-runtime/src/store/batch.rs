@@ -103,8 +103,13 @@ impl<DB: InboxBackend> Inbox<DB> {
                 }
                 let tried = match culprit {
                     Some(at) => {
-                        self.batch_with_savepoints(handler, state, keys, deliveries, at, &message)
+                        self.on_try_connection(async |conn| {
+                            self.batch_with_savepoints(
+                                conn, handler, state, keys, deliveries, at, &message,
+                            )
                             .await
+                        })
+                        .await
                     }
                     None => {
                         // Decoded once; again only for a try after a conflict.
@@ -115,15 +120,19 @@ impl<DB: InboxBackend> Inbox<DB> {
                                 None => return end,
                             },
                         };
-                        match self
-                            .batch_lean(handler, state, keys, deliveries, decoded)
-                            .await
-                        {
+                        let lean = async |conn: &mut Beginning<DB>| {
+                            self.batch_lean(conn, handler, state, keys, deliveries, decoded)
+                                .await
+                        };
+                        match self.on_try_connection(lean).await {
                             Err(Failed::OneMessage(at)) => {
                                 culprit = Some(at);
-                                self.batch_with_savepoints(
-                                    handler, state, keys, deliveries, at, &message,
-                                )
+                                self.on_try_connection(async |conn| {
+                                    self.batch_with_savepoints(
+                                        conn, handler, state, keys, deliveries, at, &message,
+                                    )
+                                    .await
+                                })
                                 .await
                             }
                             tried => tried,
@@ -144,9 +153,10 @@ impl<DB: InboxBackend> Inbox<DB> {
         .await
     }
 
-    /// The lean try: no savepoints, one UPDATE of `processed_at` for the batch.
+    /// The lean try, on `conn`: no savepoints, one UPDATE of `processed_at` for the batch.
     async fn batch_lean<H>(
         &self,
+        conn: &mut Beginning<DB>,
         handler: &H,
         state: &H::State,
         keys: &[&str],
@@ -159,27 +169,6 @@ impl<DB: InboxBackend> Inbox<DB> {
         if decoded.len() != keys.len() {
             return Err(Failed::Whole);
         }
-        let mut conn = self.try_connection().await.map_err(|_| Failed::Whole)?;
-        let tried = self
-            .batch_lean_on(&mut conn, handler, state, keys, deliveries, decoded)
-            .await;
-        conn.settle();
-        tried
-    }
-
-    /// [`Inbox::batch_lean`] on `conn`.
-    async fn batch_lean_on<H>(
-        &self,
-        conn: &mut Beginning<DB>,
-        handler: &H,
-        state: &H::State,
-        keys: &[&str],
-        deliveries: &[&Delivery],
-        decoded: Vec<H::Message>,
-    ) -> Result<Vec<Batched>, Failed>
-    where
-        H: Handler<Db = DB>,
-    {
         let mut tx = conn
             .begin_with(self.begin_batch::<H>())
             .await
@@ -318,36 +307,13 @@ impl<DB: InboxBackend> Inbox<DB> {
         false
     }
 
-    /// The careful try: a savepoint per message; a failing one is left out, and so is `culprit`
+    /// The careful try, on `conn`: a savepoint per message; a failing one is left out, and so is `culprit`
     /// (the one that failed the lean try) without running again. As in the lean try, every
     /// claim is made first and the handlers then run in the batch's order, so that the batch
     /// takes its locks in the order every batch does (markers, then the lanes' rows); a message
     /// left out gets its savepoint rolled back and its marker deleted.
-    async fn batch_with_savepoints<H>(
-        &self,
-        handler: &H,
-        state: &H::State,
-        keys: &[&str],
-        deliveries: &[&Delivery],
-        culprit: Option<usize>,
-        message: &impl Fn(usize) -> Option<H::Message>,
-    ) -> Result<Vec<Batched>, Failed>
-    where
-        H: Handler<Db = DB>,
-    {
-        let mut conn = self.try_connection().await.map_err(|_| Failed::Whole)?;
-        let tried = self
-            .batch_with_savepoints_on(
-                &mut conn, handler, state, keys, deliveries, culprit, message,
-            )
-            .await;
-        conn.settle();
-        tried
-    }
-
-    /// [`Inbox::batch_with_savepoints`] on `conn`.
     #[allow(clippy::too_many_arguments)]
-    async fn batch_with_savepoints_on<H>(
+    async fn batch_with_savepoints<H>(
         &self,
         conn: &mut Beginning<DB>,
         handler: &H,
@@ -483,6 +449,18 @@ impl<DB: InboxBackend> Inbox<DB> {
 }
 
 impl<DB: InboxBackend> Inbox<DB> {
+    /// Runs one try of a batch on a connection of its own ([`Inbox::try_connection`]), settled
+    /// once the try has ended rather than been cut.
+    async fn on_try_connection<T>(
+        &self,
+        try_on: impl AsyncFnOnce(&mut Beginning<DB>) -> Result<T, Failed>,
+    ) -> Result<T, Failed> {
+        let mut conn = self.try_connection().await.map_err(|_| Failed::Whole)?;
+        let tried = try_on(&mut conn).await;
+        conn.settle();
+        tried
+    }
+
     /// A batch's BEGIN: with lanes, batches wait for each other's rows as long as the lock
     /// timeout allows (they cannot deadlock); without, briefly (a wait may be a deadlock's).
     fn begin_batch<H: Handler<Db = DB>>(&self) -> sqlx::SqlStr {
