@@ -8,48 +8,50 @@
 //! On the server backends. SQLite runs in process. MySQL itself has no bound for every statement
 //! (`max_execution_time` bounds SELECTs only): there a cut try's session is killed from a
 //! connection of its own; the machine's MySQL flavour is MariaDB, which is made to take MySQL's
-//! way (`Inbox::kill_cut_sessions`) in the `on_mysql_*` tests: a message's try, a two-phase
-//! claim's transaction cut while the handler writes in it, and one cut in the ROLLBACK after the
-//! handler failed, leaving a write of its own behind. Also on
+//! way (`Inbox::kill_cut_sessions`) in the `on_mysql_*` tests: a message's try, a laned batch,
+//! a two-phase claim's transaction cut while the handler writes in it, and one cut in the
+//! ROLLBACK after the handler failed, leaving a write of its own behind. Also on
 //! MariaDB: the bound a message's transaction leaves on its connection does not cut a later wait
 //! for the fleet's migration lock.
 
-use inbox_runtime::{BoxError, Claim, Inbox, idempotent};
+use inbox_runtime::{BoxError, Claim, Handler, Inbox, Worker, WorkerBuilder, idempotent};
 use inbox_testkit::wait_until;
-use inbox_tests::backends::TestBackend;
+use inbox_tests::backends::{TestBackend, TestDb};
 use inbox_tests::handlers::{Entry, Probe};
 use inbox_tests::{NatsStream, Running};
 use std::time::Duration;
 
-/// A claim waiting behind a frozen peer is cut at the worker's deadline; its statement must end
-/// on the server with it. `way` makes the worker's inbox.
-async fn a_cut_claim_ends_on_the_server<B: TestBackend>(
-    db: &inbox_tests::backends::TestDb<B::Db>,
+/// A write of a try waits behind a frozen peer (`frozen`, run in a transaction that never
+/// finishes) when the try is cut at the worker's deadline; the write must end on the server with
+/// it. `waiting` counts the try's writes still waiting; `way` makes the worker's inbox and
+/// `build` the worker from its builder.
+async fn a_cut_write_ends_on_the_server<B: TestBackend, H>(
+    db: &TestDb<B::Db>,
     nats: &NatsStream,
+    frozen: &'static str,
+    waiting: impl AsyncFn(&TestDb<B::Db>) -> i64,
     way: impl FnOnce(Inbox<B::Db>) -> Inbox<B::Db>,
-) {
+    build: impl FnOnce(WorkerBuilder<B::Db>) -> Worker<H>,
+) where
+    H: Handler<Db = B::Db>,
+    H::Message: serde::de::DeserializeOwned,
+{
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    // The frozen peer: a transaction that inserted the marker of `k` and never finishes.
-    let frozen = B::hold_in_transaction(
-        db,
-        "INSERT INTO inbox (consumer, message_key) VALUES ('ledger', 'k')",
-    )
-    .await;
+    let frozen = B::hold_in_transaction(db, frozen).await;
     nats.publish_all([Entry::new("k", 1, 1).json()]).await;
     let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
-    let worker = nats
-        .worker(
+    let worker = build(
+        nats.worker(
             way(B::inbox(pool).lock_timeout(Duration::from_secs(120))),
             consumer,
         )
         .deadline(Duration::from_secs(2))
         // No second try while the test looks.
-        .nak_delay(Duration::from_secs(120), Duration::from_secs(120))
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
+        .nak_delay(Duration::from_secs(120), Duration::from_secs(120)),
+    );
     let run = Running::start(&worker);
-    wait_until("the claim to wait", Duration::from_secs(20), async || {
-        B::waiting_writers(db).await >= 1
+    wait_until("the write to wait", Duration::from_secs(20), async || {
+        waiting(db).await >= 1
     })
     .await
     .unwrap();
@@ -58,17 +60,39 @@ async fn a_cut_claim_ends_on_the_server<B: TestBackend>(
     })
     .await
     .unwrap();
-    // The claim's statement ends with its try, although the peer still holds the key.
+    // The write ends with its try, although the peer still holds what it waits for.
     wait_until(
-        "the cut try's statement to end on the server",
+        "the cut try's write to end on the server",
         Duration::from_secs(10),
-        async || B::waiting_writers(db).await == 0,
+        async || waiting(db).await == 0,
     )
     .await
     .unwrap_or_else(|e| panic!("{e}: the statement outlived its try"));
     frozen.rollback().await.expect("ROLLBACK");
     let stats = run.stop().await;
     assert_eq!(stats.acked, 0, "{stats:?}");
+}
+
+/// A claim waiting behind a frozen peer's uncommitted marker of the same key, cut at the
+/// worker's deadline. `way` makes the worker's inbox.
+async fn a_cut_claim_ends_on_the_server<B: TestBackend>(
+    db: &TestDb<B::Db>,
+    nats: &NatsStream,
+    way: impl FnOnce(Inbox<B::Db>) -> Inbox<B::Db>,
+) {
+    a_cut_write_ends_on_the_server::<B, _>(
+        db,
+        nats,
+        "INSERT INTO inbox (consumer, message_key) VALUES ('ledger', 'k')",
+        B::waiting_writers,
+        way,
+        |builder| {
+            builder
+                .build_with_state(B::Ledger::default(), Probe::open())
+                .unwrap()
+        },
+    )
+    .await;
 }
 
 async fn a_statement_ends_with_its_try<B: TestBackend>() {
@@ -133,58 +157,32 @@ async fn on_mysql_a_cut_try_has_its_session_killed() {
     a_cut_claim_ends_on_the_server::<B>(&db, &nats, Inbox::kill_cut_sessions).await;
 }
 
+/// The ledger's inserts still running on MariaDB's test database.
+const LEDGER_WRITES: &str = "SELECT count(*) FROM information_schema.processlist \
+                             WHERE db = DATABASE() AND info LIKE 'INSERT INTO ledger %'";
+
 /// On MariaDB made to take MySQL's way: a two-phase handler's write to the ledger waits behind a
 /// frozen peer (a locking read of the whole, empty, ledger, which makes every insert into it
-/// wait: InnoDB locks the gap up to the supremum) when the try is cut at its deadline; the write
-/// must end on the server with it. `build` makes the worker from its builder.
+/// wait: InnoDB locks the gap up to the supremum) when the try is cut at its deadline.
 async fn a_cut_ledger_write_ends_on_the_server<H>(
-    build: impl FnOnce(inbox_runtime::WorkerBuilder<sqlx::MySql>) -> inbox_runtime::Worker<H>,
+    build: impl FnOnce(WorkerBuilder<sqlx::MySql>) -> Worker<H>,
 ) where
-    H: inbox_runtime::Handler<Db = sqlx::MySql>,
+    H: Handler<Db = sqlx::MySql>,
     H::Message: serde::de::DeserializeOwned,
 {
     type B = inbox_tests::backends::MySql;
-    let waiting = "SELECT count(*) FROM information_schema.processlist \
-                   WHERE db = DATABASE() AND info LIKE 'INSERT INTO ledger %'";
     let db = B::create(4).await;
     B::inbox(db.pool.clone()).migrate().await.unwrap();
     let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let frozen = B::hold_in_transaction(&db, "SELECT * FROM ledger FOR UPDATE").await;
-    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
-    let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
-    let inbox = B::inbox(pool)
-        .lock_timeout(Duration::from_secs(120))
-        .kill_cut_sessions();
-    let worker = build(
-        nats.worker(inbox, consumer)
-            .deadline(Duration::from_secs(2))
-            // No second try while the test looks.
-            .nak_delay(Duration::from_secs(120), Duration::from_secs(120)),
-    );
-    let run = Running::start(&worker);
-    wait_until(
-        "the handler's write to wait",
-        Duration::from_secs(20),
-        async || B::count(&db, waiting).await >= 1,
+    a_cut_write_ends_on_the_server::<B, H>(
+        &db,
+        &nats,
+        "SELECT * FROM ledger FOR UPDATE",
+        async |db| B::count(db, LEDGER_WRITES).await,
+        Inbox::kill_cut_sessions,
+        build,
     )
-    .await
-    .unwrap();
-    wait_until("the try to be cut", Duration::from_secs(20), async || {
-        worker.stats().nacked >= 1
-    })
-    .await
-    .unwrap();
-    wait_until(
-        "the cut try's write to end on the server",
-        Duration::from_secs(10),
-        async || B::count(&db, waiting).await == 0,
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}: the statement outlived its try"));
-    frozen.rollback().await.expect("ROLLBACK");
-    let stats = run.stop().await;
-    assert_eq!(stats.acked, 0, "{stats:?}");
+    .await;
 }
 
 /// The claim's transaction (which the handler holds between its calls, begun from the pool) is
@@ -223,4 +221,34 @@ async fn abandons(msg: Entry, claim: &mut Claim<sqlx::MySql>) -> Result<(), BoxE
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql_a_failed_claim_cut_in_its_rollback_has_its_session_killed() {
     a_cut_ledger_write_ends_on_the_server(|builder| builder.build(abandons).unwrap()).await;
+}
+
+/// MySQL's way on the machine's MariaDB, for a batch: a laned batch (whose lock waits last as
+/// long as the lock timeout) credits an account whose row a frozen peer holds, and is cut at the
+/// deadline; its session must be killed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_a_cut_batch_has_its_session_killed() {
+    type B = inbox_tests::backends::MySql;
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    a_cut_write_ends_on_the_server::<B, _>(
+        &db,
+        &nats,
+        // Account 1's row, inserted and never committed: the batch's upsert of it waits.
+        "INSERT INTO accounts (id, balance) VALUES (1, 0)",
+        async |db| {
+            let credits = "SELECT count(*) FROM information_schema.processlist \
+                           WHERE db = DATABASE() AND info LIKE 'INSERT INTO accounts %'";
+            B::count(db, credits).await
+        },
+        Inbox::kill_cut_sessions,
+        |builder| {
+            builder
+                .batch(4, Duration::from_millis(20))
+                .build(<B as TestBackend>::CreditLaned::default())
+                .unwrap()
+        },
+    )
+    .await;
 }
