@@ -130,6 +130,22 @@ impl Backend for Postgres {
         Some(format!("SET LOCAL statement_timeout = {ms}"))
     }
 
+    fn finish_and_commit_sql(table: &TableName, id: i64, hash: Option<&str>) -> Option<SqlStr> {
+        let hash = match hash {
+            Some(h) if h.bytes().all(|b| b.is_ascii_hexdigit()) => format!("'{h}'"),
+            Some(_) => return None,
+            None => "NULL".to_owned(),
+        };
+        // One simple query: a failing statement skips the rest (COMMIT included). No marker
+        // updated is a division by zero (MARKER_GONE), so that nothing commits without it.
+        let sql = format!(
+            "WITH finished AS (UPDATE {table} SET processed_at = {now}, payload_hash = {hash} \
+             WHERE id = {id} RETURNING 1) SELECT 1 / count(*) FROM finished; COMMIT; BEGIN",
+            now = Self::NOW_SQL,
+        );
+        Some(AssertSqlSafe(sql).into_sql_str())
+    }
+
     fn downcast_database_error<'e>(
         err: &'e (dyn std::error::Error + 'static),
     ) -> Option<&'e dyn sqlx::error::DatabaseError> {

@@ -76,19 +76,15 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .begin_with(self.sql.begin.clone())
                 .await
                 .map_err(begin)?;
-            let processed = self
-                .process_in(&mut tx, handler, state, message, delivery, key)
+            let handled = self
+                .claim_and_handle(&mut tx, handler, state, message, delivery, key)
                 .await;
-            match processed {
-                Ok(Outcome::Ack) => Ok(tx.commit().await.map(|()| Outcome::Ack)),
+            match handled {
+                Ok(Some(id)) => self.finish_and_commit(tx, id, key, delivery).await,
                 other => {
-                    // A duplicate wrote nothing and a failure must leave nothing: roll back
-                    // now rather than on drop, so that the connection returns to the pool
-                    // clean.
-                    if let Err(e) = tx.rollback().await {
-                        tracing::debug!(error = %e, "rollback failed; the connection is discarded");
-                    }
-                    other.map(Ok)
+                    // A duplicate wrote nothing and a failure must leave nothing.
+                    roll_back(tx).await;
+                    other.map(|_| Ok(Outcome::Skip))
                 }
             }
         }
@@ -105,6 +101,50 @@ impl<DB: InboxBackend> Inbox<DB> {
         match done? {
             Ok(outcome) => Ok(outcome),
             Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
+        }
+    }
+
+    /// Finishes the marker `id` and commits `tx`: in one round trip where the dialect can
+    /// (`Backend::finish_and_commit_sql`), else the finish, then
+    /// COMMIT. `Ok(Err(_))`: COMMIT failed, or the round trip with it did without an answer
+    /// from the server; whether it committed is unknown.
+    async fn finish_and_commit(
+        &self,
+        mut tx: Transaction<'_, DB>,
+        id: i64,
+        key: &str,
+        delivery: &Delivery,
+    ) -> Result<Result<Outcome, sqlx::Error>, ProcessError> {
+        let hash = delivery.payload_hash.as_deref();
+        let Some(sql) = DB::finish_and_commit_sql(&self.table, id, hash) else {
+            if let Err(e) = self.finish(&mut tx, id, key, delivery).await {
+                roll_back(tx).await;
+                return Err(e);
+            }
+            return Ok(tx.commit().await.map(|()| Outcome::Ack));
+        };
+        let Err(e) = DB::execute_raw(&mut tx, sql).await else {
+            // Committed. sqlx still counts the transaction: the ROLLBACK it queues on drop
+            // ends the empty one the statement began, in the pool's check on release.
+            drop(tx);
+            return Ok(Ok(Outcome::Ack));
+        };
+        let code = e
+            .as_database_error()
+            .and_then(|db| db.code())
+            .map(|code| code.into_owned());
+        roll_back(tx).await;
+        match code {
+            // The server answered: the statement that failed ended the round trip, and a
+            // COMMIT that fails commits nothing.
+            Some(code) if code == DB::MARKER_GONE => Err(ProcessError::TransactionEnded {
+                key: key.to_owned(),
+            }),
+            Some(_) => Err(ProcessError::Database {
+                stage: Stage::Finish,
+                source: e,
+            }),
+            None => Ok(Err(e)),
         }
     }
 
@@ -159,6 +199,28 @@ impl<DB: InboxBackend> Inbox<DB> {
         delivery: &Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
+        let Some(id) = self
+            .claim_and_handle(tx, handler, state, message, delivery, key)
+            .await?
+        else {
+            return Ok(Outcome::Skip);
+        };
+        // processed_at says when the effect was done; it commits with the effect or not at all.
+        self.finish(tx, id, key, delivery).await?;
+        Ok(Outcome::Ack)
+    }
+
+    /// [`Inbox::process_in`] up to the finish: the claimed marker's id once the handler ran,
+    /// `None` for a duplicate.
+    async fn claim_and_handle<'c, H: Handler<Db = DB>>(
+        &self,
+        tx: &mut Transaction<'c, DB>,
+        handler: &H,
+        state: &H::State,
+        message: H::Message,
+        delivery: &Delivery,
+        key: &str,
+    ) -> Result<Option<i64>, ProcessError> {
         if H::TWO_PHASE {
             return Err(ProcessError::TwoPhaseInTransaction(H::CONSUMER));
         }
@@ -176,15 +238,13 @@ impl<DB: InboxBackend> Inbox<DB> {
                     return Err(reused);
                 }
             }
-            return Ok(Outcome::Skip);
+            return Ok(None);
         };
         handler
             .handle(message, delivery, tx, state)
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
-        // processed_at says when the effect was done; it commits with the effect or not at all.
-        self.finish(tx, id, key, delivery).await?;
-        Ok(Outcome::Ack)
+        Ok(Some(id))
     }
 
     /// Whether the duplicate `key` of `delivery` came with another payload than the one the key
@@ -262,5 +322,12 @@ impl<DB: InboxBackend> Inbox<DB> {
             }),
             _ => Ok(()),
         }
+    }
+}
+
+/// Rolls `tx` back now rather than on drop, so that the connection returns to the pool clean.
+async fn roll_back<DB: InboxBackend>(tx: Transaction<'_, DB>) {
+    if let Err(e) = tx.rollback().await {
+        tracing::debug!(error = %e, "rollback failed; the connection is discarded");
     }
 }
