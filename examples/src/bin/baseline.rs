@@ -189,12 +189,39 @@ async fn run(mode: &str) -> Result<(), Error> {
                 .test_before_acquire(false)
                 .connect_with(options)
                 .await?;
-            inbox_examples::create_accounts_sqlite(&pool).await?;
-            inbox_runtime::Inbox::new(pool.clone()).migrate().await?;
-            inbox_runtime::Outbox::new(pool.clone()).migrate().await?;
+            set_up_sqlite(&pool).await?;
             contend(mode, pool, &SQLITE, 1).await
         }
         _ => Err(format!("DATABASE_URL scheme {scheme:?} is not supported").into()),
+    }
+}
+
+/// Creates `pool`'s tables, trying again for up to a minute while SQLite refuses a writer:
+/// processes that set up one file at once may be told SQLITE_BUSY at once, without its busy
+/// timeout, where waiting could deadlock (as `credit` does, waiting the database out).
+async fn set_up_sqlite(pool: &Pool<Sqlite>) -> Result<(), Error> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let tried = async {
+            inbox_examples::create_accounts_sqlite(pool).await?;
+            inbox_runtime::Inbox::new(pool.clone()).migrate().await?;
+            inbox_runtime::Outbox::new(pool.clone()).migrate().await?;
+            Ok::<_, Error>(())
+        }
+        .await;
+        let busy = |e: &Error| {
+            let sqlx = match e.downcast_ref::<sqlx::migrate::MigrateError>() {
+                Some(sqlx::migrate::MigrateError::Execute(e)) => Some(e),
+                _ => e.downcast_ref::<sqlx::Error>(),
+            };
+            sqlx.is_some_and(inbox_runtime::is_transient::<Sqlite>)
+        };
+        match tried {
+            Err(e) if busy(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            other => return other,
+        }
     }
 }
 
