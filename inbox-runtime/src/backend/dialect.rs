@@ -164,8 +164,7 @@ pub trait Backend: sqlx::Database + Generic {
     }
 
     /// The marker `id`'s finish (as `InboxStatements::finish`, with `hash`) and COMMIT, sent in
-    /// one round trip, where the dialect saves one that way; `None` otherwise, or for a hash
-    /// that is not hex digits. The statement fails with [`Backend::MARKER_GONE`] rather than
+    /// one round trip, where the dialect saves one that way; `None` otherwise. The statement fails with [`Backend::MARKER_GONE`] rather than
     /// commit when the marker is gone (the handler ended the transaction or deleted it), fails
     /// as the finish does when the transaction is aborted, and leaves an empty transaction
     /// open after the COMMIT: sqlx still counts the one it began, and the ROLLBACK it queues on

@@ -131,17 +131,13 @@ impl Backend for Postgres {
     }
 
     fn finish_and_commit_sql(table: &TableName, id: i64, hash: Option<&str>) -> Option<SqlStr> {
-        let hash = match hash {
-            Some(h) if h.bytes().all(|b| b.is_ascii_hexdigit()) => format!("'{h}'"),
-            Some(_) => return None,
-            None => "NULL".to_owned(),
-        };
-        // One simple query: a failing statement skips the rest (COMMIT included). No marker
-        // updated is a division by zero (MARKER_GONE), so that nothing commits without it.
+        // A batch's finish of one marker. One simple query: a failing statement skips the rest
+        // (COMMIT included). No marker updated is a division by zero (MARKER_GONE), so that
+        // nothing commits without it.
+        let finish = super::statements::finish_many_sql::<Self>(table, &[id], &[hash]);
         let sql = format!(
-            "WITH finished AS (UPDATE {table} SET processed_at = {now}, payload_hash = {hash} \
-             WHERE id = {id} RETURNING 1) SELECT 1 / count(*) FROM finished; COMMIT; BEGIN",
-            now = Self::NOW_SQL,
+            "WITH finished AS ({} RETURNING 1) SELECT 1 / count(*) FROM finished; COMMIT; BEGIN",
+            finish.as_str()
         );
         Some(AssertSqlSafe(sql).into_sql_str())
     }
