@@ -258,6 +258,9 @@ pub struct Config {
     pub concurrency: u32,
     /// `CREDIT_ACK`: `plain` or `double` (see `inbox_runtime::AckMode`), default the runtime's.
     pub ack_mode: Option<AckMode>,
+    /// `CREDIT_PREFETCH`: messages fetched ahead of the concurrency (see
+    /// `WorkerBuilder::prefetch`; not when batched), default 0.
+    pub prefetch: usize,
     /// `METRICS_ADDR`: where `/metrics` and `/healthz` are served (unset: not served).
     pub metrics: Option<std::net::SocketAddr>,
     /// `CREDIT_BATCH`: commit up to this many messages per transaction (see
@@ -300,6 +303,7 @@ impl Config {
                 other => return Err(format!("CREDIT_ACK={other:?}: use plain or double")),
             },
             batch: count("CREDIT_BATCH", "1")? as usize,
+            prefetch: env.number("CREDIT_PREFETCH", "0", 0)? as usize,
             relay_hold: Duration::from_millis(env.number("CREDIT_TEST_RELAY_HOLD_MS", "0", 0)?),
             last_delivery_hold: Duration::from_millis(env.number(
                 "CREDIT_TEST_LAST_DELIVERY_HOLD_MS",
@@ -333,6 +337,7 @@ impl std::fmt::Debug for Config {
             .field("concurrency", &self.concurrency)
             .field("ack_mode", &self.ack_mode)
             .field("batch", &self.batch)
+            .field("prefetch", &self.prefetch)
             .field("relay_hold", &self.relay_hold)
             .field("last_delivery_hold", &self.last_delivery_hold)
             .field("metrics", &self.metrics)
@@ -386,6 +391,7 @@ pub async fn run(config: &Config, shutdown: CancellationToken) -> Result<Stats, 
     };
     let on = Serve {
         batch: config.batch,
+        prefetch: config.prefetch,
         ack_mode: config.ack_mode,
         jetstream,
         nats: NatsConnector::new(&config.nats_url, &config.nats_auth),
@@ -430,6 +436,7 @@ async fn events_stream(
 /// Where the worker runs, once NATS is up.
 struct Serve<'a> {
     batch: usize,
+    prefetch: usize,
     ack_mode: Option<AckMode>,
     jetstream: jetstream::Context,
     /// Opens the handler's own connection to pull on.
@@ -478,10 +485,12 @@ where
         };
         let durable = Durable::existing(&self.stream.cached_info().config.name, self.durable);
         let (stream, batch, ack_mode) = (self.stream.clone(), self.batch, self.ack_mode);
+        let prefetch = self.prefetch;
         let configure = move |w: WorkerBuilder<H::Db>| {
             let w = w
                 .cleanup(RETENTION, &stream)
-                .batch(batch, Duration::from_millis(10));
+                .batch(batch, Duration::from_millis(10))
+                .prefetch(prefetch);
             match ack_mode {
                 Some(mode) => w.ack_mode(mode),
                 None => w,

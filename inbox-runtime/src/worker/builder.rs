@@ -97,6 +97,23 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         self
     }
 
+    /// Fetches up to `n` messages ahead of the concurrency: they wait in the worker, in
+    /// delivery order, for a permit, with progress acks every third of `ack_wait` so that no
+    /// delivery ends at the server while it waits. A permit that frees then starts the next
+    /// message at once, where without prefetch it waits for a pull request's round trip to the
+    /// server; and a pull request is sent only once half of `n` (at least one) can be asked
+    /// for, so that one request brings several messages. 0 (the default) fetches no more than
+    /// the free permits.
+    ///
+    /// Fetched and unacked messages are at most concurrency + `n`, capped by the consumer's
+    /// `max_ack_pending`. On shutdown, a message still waiting is given back with a nak (served
+    /// to the end on its last delivery), as one the pull brings after the shutdown began. Not
+    /// for batched workers (ignored): a batch being collected is their margin.
+    pub fn prefetch(mut self, n: usize) -> Self {
+        self.options.prefetch = n;
+        self
+    }
+
     /// Commits up to `max_messages` messages in one transaction (one COMMIT, so one fsync, for
     /// all), waiting at most `max_wait` after a batch's first message for more. Off by default.
     ///

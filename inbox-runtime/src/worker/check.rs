@@ -27,6 +27,8 @@ pub(crate) struct Sweep {
 #[derive(Debug, Clone)]
 pub(crate) struct Options {
     pub concurrency: Option<usize>,
+    /// Messages fetched ahead of the concurrency (per-message workers only).
+    pub prefetch: usize,
     pub batch: Option<Batching>,
     pub ack_mode: AckMode,
     pub fetch_expiry: Duration,
@@ -55,6 +57,7 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             concurrency: None,
+            prefetch: 0,
             batch: None,
             ack_mode: AckMode::default(),
             fetch_expiry: Duration::from_secs(2),
@@ -84,6 +87,9 @@ pub(crate) struct Settings {
     /// batched, each batch (or message served alone) takes one, so `concurrency` is this times
     /// the batch size.
     pub connections: usize,
+    /// Messages fetched beyond the concurrency, waiting for a permit (`pull.rs`); 0 when
+    /// batched, and never more than `max_ack_pending` leaves room for.
+    pub prefetch: usize,
     pub ack_mode: AckMode,
     /// How long a pull request stays open: at most the consumer's `max_expires`.
     pub fetch_expiry: Duration,
@@ -171,8 +177,14 @@ pub(crate) fn check(
     if let Some(batch) = options.batch {
         concurrency = concurrency.saturating_mul(batch.max_messages);
     }
+    let mut prefetch = match options.batch {
+        Some(_) => 0,
+        None => options.prefetch,
+    };
     if config.max_ack_pending > 0 {
-        concurrency = concurrency.min(config.max_ack_pending as usize);
+        let pending = config.max_ack_pending as usize;
+        concurrency = concurrency.min(pending);
+        prefetch = prefetch.min(pending.saturating_sub(concurrency.max(1)));
     }
     let ack_wait = ack_wait_of(config);
     let limits = Limits {
@@ -203,6 +215,7 @@ pub(crate) fn check(
     Ok(Settings {
         concurrency: concurrency.max(1),
         connections,
+        prefetch,
         ack_mode: options.ack_mode,
         fetch_expiry: match config.max_expires {
             d if d.is_zero() => options.fetch_expiry,
@@ -307,6 +320,29 @@ mod tests {
             assert!(matches!(err, WorkerError::ConsumerName { .. }), "{bad:?}");
         }
         assert!(check(&o, "c", &config(), "credit-v2_x", 8).is_ok());
+    }
+
+    #[test]
+    fn prefetch_stays_within_max_ack_pending_and_is_off_when_batched() {
+        let mut o = Options {
+            concurrency: Some(4),
+            prefetch: 6,
+            ..Options::default()
+        };
+        assert_eq!(checked(&o, &config()).unwrap().prefetch, 6);
+        let pending = |n| consumer::Config {
+            max_ack_pending: n,
+            ..config()
+        };
+        // Fetched and not yet acked: at most max_ack_pending, the concurrency first.
+        assert_eq!(checked(&o, &pending(7)).unwrap().prefetch, 3);
+        assert_eq!(checked(&o, &pending(4)).unwrap().prefetch, 0);
+        assert_eq!(checked(&o, &pending(2)).unwrap().prefetch, 0);
+        o.batch = Some(Batching {
+            max_messages: 16,
+            max_wait: Duration::from_millis(10),
+        });
+        assert_eq!(checked(&o, &config()).unwrap().prefetch, 0);
     }
 
     #[test]

@@ -12,6 +12,12 @@
 //! async-nats's `consumer.stream()`: it asks for a new batch whenever half of the last one has
 //! arrived, whatever the consumer can start, so up to one and a half batches wait in the client
 //! with their `ack_wait` running.
+//!
+//! With prefetch (`WorkerBuilder::prefetch`), the permits to fetch are the concurrency's and the
+//! prefetch's: a message fetched beyond the concurrency waits on its task, with progress acks,
+//! for a permit to run (the semaphore serves waiters in order), and a request is sent only once
+//! half the prefetch can be asked for, so that it brings several messages while those fetched
+//! ahead keep every permit busy.
 
 use super::Inner;
 use super::requests::{Budget, Held, Open, SUBJECTS_ROOM};
@@ -37,7 +43,10 @@ where
     H: Handler,
 {
     let concurrency = inner.settings.concurrency;
-    let permits = Arc::new(Semaphore::new(concurrency));
+    let prefetch = inner.settings.prefetch;
+    // The permits to fetch; with prefetch, those to run are the concurrency's.
+    let permits = Arc::new(Semaphore::new(concurrency + prefetch));
+    let running = (prefetch > 0).then(|| Arc::new(Semaphore::new(concurrency)));
     let mut budget = Budget {
         bytes: Arc::new(Semaphore::new(0)),
         size: 0,
@@ -60,6 +69,7 @@ where
             shutdown,
             tasks,
             permits: &permits,
+            running: running.as_ref(),
             free: Vec::new(),
             budget: &mut budget,
             free_bytes: None,
@@ -87,6 +97,8 @@ struct Session<'a, H: Handler> {
     shutdown: &'a CancellationToken,
     tasks: &'a TaskTracker,
     permits: &'a Arc<Semaphore>,
+    /// With prefetch, the permits to run (the concurrency's), which a fetched message waits for.
+    running: Option<&'a Arc<Semaphore>>,
     /// Permits held for the requests open, and for those to be sent: never fewer than
     /// `open.outstanding`.
     free: Vec<OwnedSemaphorePermit>,
@@ -113,7 +125,11 @@ where
             .subscribe(inbox.clone())
             .await
             .map_err(|e| format!("subscribing to {inbox}: {e}"))?;
-        let concurrency = settings.concurrency;
+        // The permits to fetch, and how many must be free for a request to go out: with
+        // prefetch, half of it, so that a request brings several messages, while those fetched
+        // ahead (at least the other half) keep the permits to run busy.
+        let capacity = settings.concurrency + settings.prefetch;
+        let least_batch = (settings.prefetch / 2).max(1);
         // A message of the largest size the server allows always fits in the budget, and a
         // request is sent only with room for one (or as much as the consumer lets one ask for),
         // so that no message is refused for good for its size.
@@ -135,7 +151,7 @@ where
                 // One request open at a time: the server serves a client's requests in turn,
                 // not in order, so with two open a delivery could not be told apart, nor its
                 // bytes counted against the right one.
-                let due = room > 0 && self.open.requests.is_empty();
+                let due = room >= least_batch && self.open.requests.is_empty();
                 wants_bytes = due && free_bytes < least_bytes;
                 if due && !wants_bytes {
                     let mut batch = room.min(settings.max_batch);
@@ -181,7 +197,7 @@ where
             if stopping && self.open.outstanding == 0 {
                 break Ok(());
             }
-            let wants_permit = !stopping && self.free.len() < concurrency;
+            let wants_permit = !stopping && self.free.len() < capacity;
             let lost_at = self.open.next_lost();
             // A server that sends neither messages nor heartbeats for two heartbeats while
             // requests are open has lost them (restarted, or the connection was replaced).
@@ -284,7 +300,8 @@ where
 
     /// Takes every free permit of the semaphore, up to the concurrency.
     fn take_free_permits(&mut self) {
-        while self.free.len() < self.inner.settings.concurrency {
+        let settings = &self.inner.settings;
+        while self.free.len() < settings.concurrency + settings.prefetch {
             match self.permits.clone().try_acquire_owned() {
                 Ok(p) => self.free.push(p),
                 Err(_) => break,
@@ -378,8 +395,18 @@ where
             return;
         }
         let (inner, shutdown) = (inner.clone(), self.shutdown.clone());
-        self.tasks
-            .spawn(async move { inner.serve(message, held, shutdown).await });
+        let running = self.running.cloned();
+        self.tasks.spawn(async move {
+            let held = match running {
+                None => held,
+                Some(running) => match wait_to_run(&inner, &message, running, &shutdown, last).await
+                {
+                    Some(permit) => held.running(permit),
+                    None => return,
+                },
+            };
+            inner.serve(message, held, shutdown).await
+        });
     }
 
     /// Starts the batches due by `due` (all of them with `None`), each on a task of its own.
@@ -406,6 +433,44 @@ where
                 .await
         });
     }
+}
+
+/// A prefetched message waits for a permit to run, with progress acks. `None`: the shutdown came
+/// first and, this not being its `last` delivery, it was given back with a nak, delayed past any
+/// pull request still open (none is sent once stopping), so that it goes to another instance.
+async fn wait_to_run<H: Handler>(
+    inner: &Inner<H>,
+    message: &jetstream::Message,
+    running: Arc<Semaphore>,
+    shutdown: &CancellationToken,
+    last: bool,
+) -> Option<OwnedSemaphorePermit> {
+    let every = inner.settings.progress_every;
+    let acquire = running.acquire_owned();
+    tokio::pin!(acquire);
+    let permit = if last {
+        with_progress(&[message], every, acquire).await
+    } else {
+        let stopped = with_progress(&[message], every, async {
+            tokio::select! {
+                biased;
+                permit = &mut acquire => Some(permit),
+                _ = shutdown.cancelled() => None,
+            }
+        })
+        .await;
+        match stopped {
+            Some(permit) => permit,
+            None => {
+                let delay = inner.settings.fetch_expiry + Duration::from_millis(100);
+                if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
+                    tracing::debug!(error = %e, "nak on shutdown failed");
+                }
+                return None;
+            }
+        }
+    };
+    Some(permit.expect("the semaphore is never closed"))
 }
 
 async fn sleep_until(at: Option<Instant>) {

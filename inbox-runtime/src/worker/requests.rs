@@ -18,14 +18,16 @@ pub(super) const LOST_AFTER: Duration = Duration::from_secs(1);
 pub(super) const SUBJECTS_ROOM: usize = 8 << 10;
 
 /// What a delivery holds while it waits and is served, released when it is done: its slot (none
-/// for a last delivery that arrived while stopping) and its bytes of the worker's budget. Held
-/// for their drop alone.
+/// for a last delivery that arrived while stopping), its bytes of the worker's budget and, with
+/// prefetch, the permit to run it took once fetched. Held for their drop alone.
 #[derive(Debug)]
 pub(super) struct Held {
-    /// One of the concurrency's permits.
+    /// One of the permits to fetch: the concurrency's, and the prefetch's when there is one.
     _slot: Option<OwnedSemaphorePermit>,
     /// The delivery's size, as the server counts it, from the byte budget.
     _bytes: Option<OwnedSemaphorePermit>,
+    /// With prefetch, one of the concurrency's permits, taken when the message starts.
+    _running: Option<OwnedSemaphorePermit>,
 }
 
 impl Held {
@@ -37,6 +39,15 @@ impl Held {
         Held {
             _slot: slot,
             _bytes: bytes,
+            _running: None,
+        }
+    }
+
+    /// Also holds `running`, the permit a prefetched message waited for.
+    pub(super) fn running(self, running: OwnedSemaphorePermit) -> Self {
+        Held {
+            _running: Some(running),
+            ..self
         }
     }
 }
