@@ -259,7 +259,8 @@ pub struct Config {
     /// `CREDIT_ACK`: `plain` or `double` (see `inbox_runtime::AckMode`), default the runtime's.
     pub ack_mode: Option<AckMode>,
     /// `CREDIT_PREFETCH`: messages fetched ahead of the concurrency (see
-    /// `WorkerBuilder::prefetch`; not when batched), default 0.
+    /// `WorkerBuilder::prefetch`; not when batched), default the concurrency: a permit that
+    /// frees starts the next message at once, and a pull request brings several.
     pub prefetch: usize,
     /// `METRICS_ADDR`: where `/metrics` and `/healthz` are served (unset: not served).
     pub metrics: Option<std::net::SocketAddr>,
@@ -286,6 +287,7 @@ impl Config {
         let env = Vars(get);
         let var = |name: &str, default: &str| env.var(name, default);
         let count = |name: &str, default: &str| env.number(name, default, 1).map(|n| n as u32);
+        let concurrency = count("CREDIT_CONCURRENCY", "8")?;
         Ok(Config {
             nats_url: var("NATS_URL", "nats://127.0.0.1:4222"),
             nats_auth: NatsAuth::from_vars(&env)?,
@@ -295,7 +297,7 @@ impl Config {
             durable: var("CREDIT_CONSUMER", "credit"),
             events_stream: var("CREDIT_EVENTS_STREAM", "CREDIT_EVENTS"),
             events_subject: var("CREDIT_EVENTS_SUBJECT", "credits.applied"),
-            concurrency: count("CREDIT_CONCURRENCY", "8")?,
+            concurrency,
             ack_mode: match var("CREDIT_ACK", "").as_str() {
                 "" => None,
                 "plain" => Some(AckMode::Plain),
@@ -303,7 +305,7 @@ impl Config {
                 other => return Err(format!("CREDIT_ACK={other:?}: use plain or double")),
             },
             batch: count("CREDIT_BATCH", "1")? as usize,
-            prefetch: env.number("CREDIT_PREFETCH", "0", 0)? as usize,
+            prefetch: env.number("CREDIT_PREFETCH", &concurrency.to_string(), 0)? as usize,
             relay_hold: Duration::from_millis(env.number("CREDIT_TEST_RELAY_HOLD_MS", "0", 0)?),
             last_delivery_hold: Duration::from_millis(env.number(
                 "CREDIT_TEST_LAST_DELIVERY_HOLD_MS",
@@ -540,6 +542,12 @@ mod config_tests {
     fn defaults_and_bad_values_named() {
         let c = config(&[]).unwrap();
         assert_eq!((c.concurrency, c.batch, c.ack_mode), (8, 1, None));
+        // Prefetch follows the concurrency unless given.
+        assert_eq!(c.prefetch, 8);
+        let c = config(&[("CREDIT_CONCURRENCY", "3")]).unwrap();
+        assert_eq!(c.prefetch, 3);
+        let c = config(&[("CREDIT_CONCURRENCY", "3"), ("CREDIT_PREFETCH", "0")]).unwrap();
+        assert_eq!(c.prefetch, 0);
         assert_eq!(c.last_delivery_hold, Duration::ZERO);
         let c = config(&[("CREDIT_TEST_LAST_DELIVERY_HOLD_MS", "2500")]).unwrap();
         assert_eq!(c.last_delivery_hold, Duration::from_millis(2500));
@@ -550,6 +558,7 @@ mod config_tests {
             ("CREDIT_CONCURRENCY", "0"),
             ("CREDIT_BATCH", "-1"),
             ("CREDIT_ACK", "twice"),
+            ("CREDIT_PREFETCH", "-2"),
             ("CREDIT_TEST_LAST_DELIVERY_HOLD_MS", "soon"),
         ] {
             let e = config(&[(name, value)]).unwrap_err();

@@ -30,9 +30,11 @@ use async_nats::StatusCode;
 use async_nats::jetstream::consumer::pull::BatchConfig;
 use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -395,15 +397,30 @@ where
             return;
         }
         let (inner, shutdown) = (inner.clone(), self.shutdown.clone());
-        let running = self.running.cloned();
+        // With prefetch, the permit to run is asked for here, so that the permits go out in
+        // delivery order: the tasks' first polls come in no set order.
+        let run = match self.running {
+            None => None,
+            Some(running) => {
+                let mut acquire = Box::pin(running.clone().acquire_owned());
+                let polled =
+                    std::future::poll_fn(|cx| Poll::Ready(acquire.as_mut().poll(cx))).await;
+                Some(match polled {
+                    Poll::Ready(permit) => Ok(permit.expect("the semaphore is never closed")),
+                    Poll::Pending => Err(acquire),
+                })
+            }
+        };
         self.tasks.spawn(async move {
-            let held = match running {
+            let held = match run {
                 None => held,
-                Some(running) => match wait_to_run(&inner, &message, running, &shutdown, last).await
-                {
-                    Some(permit) => held.running(permit),
-                    None => return,
-                },
+                Some(Ok(permit)) => held.running(permit),
+                Some(Err(acquire)) => {
+                    match wait_to_run(&inner, &message, acquire, &shutdown, last).await {
+                        Some(permit) => held.running(permit),
+                        None => return,
+                    }
+                }
             };
             inner.serve(message, held, shutdown).await
         });
@@ -441,21 +458,21 @@ where
 async fn wait_to_run<H: Handler>(
     inner: &Inner<H>,
     message: &jetstream::Message,
-    running: Arc<Semaphore>,
+    mut acquire: Pin<Box<impl Future<Output = Result<OwnedSemaphorePermit, AcquireError>>>>,
     shutdown: &CancellationToken,
     last: bool,
 ) -> Option<OwnedSemaphorePermit> {
     let every = inner.settings.progress_every;
-    let acquire = running.acquire_owned();
-    tokio::pin!(acquire);
     let permit = if last {
         with_progress(&[message], every, acquire).await
     } else {
         let stopped = with_progress(&[message], every, async {
+            // Once the shutdown has begun, what has not started is given back, even with a
+            // permit free: as what the pull brings then.
             tokio::select! {
                 biased;
-                permit = &mut acquire => Some(permit),
                 _ = shutdown.cancelled() => None,
+                permit = &mut acquire => Some(permit),
             }
         })
         .await;

@@ -70,6 +70,7 @@ mod max_deliver_changes_are_seen;
 mod memory_is_bounded_by_bytes;
 mod nats_restart_mid_stream;
 mod outbox;
+mod prefetch;
 mod stuck_deliveries_have_a_deadline;
 mod two_instances_apply_each_message_once;
 
