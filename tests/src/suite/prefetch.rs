@@ -33,6 +33,8 @@ async fn prefetched<B: TestBackend>(
     let worker = nats
         .worker(inbox, consumer)
         .concurrency(1)
+        // Prefetch is for workers without batching (the suite's batched run batches the rest).
+        .batch(1, Duration::ZERO)
         .prefetch(PREFETCH)
         .build_with_state(B::Ledger::default(), probe)
         .unwrap();
