@@ -23,6 +23,7 @@ mod error;
 mod letter_text;
 mod max_deliver;
 mod names;
+mod prefetch;
 mod pull;
 mod requests;
 mod serve;

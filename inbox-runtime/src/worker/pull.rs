@@ -20,6 +20,7 @@
 //! ahead keep every permit busy.
 
 use super::Inner;
+use super::prefetch::{Turn, give_back};
 use super::requests::{Budget, Held, Open, SUBJECTS_ROOM};
 use super::serve::with_progress;
 use super::serve_batch::Waiting;
@@ -27,14 +28,12 @@ use super::slots::{Ready, Slots};
 use crate::backoff::Backoff;
 use crate::handler::Handler;
 use async_nats::StatusCode;
+use async_nats::jetstream;
 use async_nats::jetstream::consumer::pull::BatchConfig;
-use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
-use tokio::sync::{AcquireError, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -356,9 +355,7 @@ where
             let delay = self.open.last_expiry().map(|at| {
                 at.saturating_duration_since(Instant::now()) + Duration::from_millis(100)
             });
-            if let Err(e) = message.ack_with(AckKind::Nak(delay)).await {
-                tracing::debug!(error = %e, "nak on shutdown failed");
-            }
+            give_back(&message, delay).await;
             return;
         }
         // Served, also while stopping when this is its last delivery: a nak would never be
@@ -397,30 +394,18 @@ where
             return;
         }
         let (inner, shutdown) = (inner.clone(), self.shutdown.clone());
-        // With prefetch, the permit to run is asked for here, so that the permits go out in
-        // delivery order: the tasks' first polls come in no set order.
-        let run = match self.running {
+        // With prefetch, the permit to run is asked for here, in delivery order.
+        let turn = match self.running {
+            Some(running) => Some(Turn::ask(running).await),
             None => None,
-            Some(running) => {
-                let mut acquire = Box::pin(running.clone().acquire_owned());
-                let polled =
-                    std::future::poll_fn(|cx| Poll::Ready(acquire.as_mut().poll(cx))).await;
-                Some(match polled {
-                    Poll::Ready(permit) => Ok(permit.expect("the semaphore is never closed")),
-                    Poll::Pending => Err(acquire),
-                })
-            }
         };
         self.tasks.spawn(async move {
-            let held = match run {
+            let held = match turn {
                 None => held,
-                Some(Ok(permit)) => held.running(permit),
-                Some(Err(acquire)) => {
-                    match wait_to_run(&inner, &message, acquire, &shutdown, last).await {
-                        Some(permit) => held.running(permit),
-                        None => return,
-                    }
-                }
+                Some(turn) => match turn.take(&inner, &message, &shutdown, last).await {
+                    Some(permit) => held.running(permit),
+                    None => return,
+                },
             };
             inner.serve(message, held, shutdown).await
         });
@@ -450,44 +435,6 @@ where
                 .await
         });
     }
-}
-
-/// A prefetched message waits for a permit to run, with progress acks. `None`: the shutdown came
-/// first and, this not being its `last` delivery, it was given back with a nak, delayed past any
-/// pull request still open (none is sent once stopping), so that it goes to another instance.
-async fn wait_to_run<H: Handler>(
-    inner: &Inner<H>,
-    message: &jetstream::Message,
-    mut acquire: Pin<Box<impl Future<Output = Result<OwnedSemaphorePermit, AcquireError>>>>,
-    shutdown: &CancellationToken,
-    last: bool,
-) -> Option<OwnedSemaphorePermit> {
-    let every = inner.settings.progress_every;
-    let permit = if last {
-        with_progress(&[message], every, acquire).await
-    } else {
-        let stopped = with_progress(&[message], every, async {
-            // Once the shutdown has begun, what has not started is given back, even with a
-            // permit free: as what the pull brings then.
-            tokio::select! {
-                biased;
-                _ = shutdown.cancelled() => None,
-                permit = &mut acquire => Some(permit),
-            }
-        })
-        .await;
-        match stopped {
-            Some(permit) => permit,
-            None => {
-                let delay = inner.settings.fetch_expiry + Duration::from_millis(100);
-                if let Err(e) = message.ack_with(AckKind::Nak(Some(delay))).await {
-                    tracing::debug!(error = %e, "nak on shutdown failed");
-                }
-                return None;
-            }
-        }
-    };
-    Some(permit.expect("the semaphore is never closed"))
 }
 
 async fn sleep_until(at: Option<Instant>) {

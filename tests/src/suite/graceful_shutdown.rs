@@ -3,7 +3,7 @@
 //! rather than waiting out `ack_wait`.
 
 use super::setup;
-use crate::backends::TestBackend;
+use crate::backends::{TestBackend, TestDb};
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, Running};
 use inbox_runtime::{Inbox, Worker};
@@ -18,6 +18,30 @@ const ACK_WAIT: Duration = Duration::from_secs(60);
 /// a third of [`ACK_WAIT`], generous for a loaded machine and still far from a redelivery by
 /// timeout.
 const BACK_WITHIN: Duration = Duration::from_secs(20);
+
+/// The next instance, started on consumer `c` (on a connection of its own) once the first has
+/// stopped, running once it has applied `what`: the ledger holds `rows`, within [`BACK_WITHIN`].
+pub(super) async fn next_instance_applies<B: TestBackend>(
+    nats: &NatsStream,
+    inbox: Inbox<B::Db>,
+    db: &TestDb<B::Db>,
+    rows: i64,
+    what: &str,
+) -> Running {
+    let next = nats
+        .worker(inbox, nats.consumer_on_new_connection("c").await)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&next);
+    wait_until(
+        &format!("the next instance to apply {what}"),
+        BACK_WITHIN,
+        async || B::count(db, "SELECT count(*) FROM ledger").await == rows,
+    )
+    .await
+    .unwrap();
+    run
+}
 
 /// Concurrency 1: the shutdown comes while the only permit is in a handler, so nothing else was
 /// fetched; the next instance finds the rest waiting for it.
@@ -60,18 +84,7 @@ async fn shutdown_finishes_in_flight_and_leaves_the_rest<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 1);
 
     // Second instance: picks up the rest at once (nothing waits out ack_wait).
-    let second = nats
-        .worker(inbox, nats.consumer_on_new_connection("c").await)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let run = Running::start(&second);
-    wait_until(
-        "the second instance to do the rest",
-        BACK_WITHIN,
-        async || B::count(&db, "SELECT count(*) FROM ledger").await == 5,
-    )
-    .await
-    .unwrap();
+    let run = next_instance_applies::<B>(&nats, inbox, &db, 5, "the rest").await;
     assert!(cancelled.elapsed() < ACK_WAIT / 2, "too slow to tell");
     nats.wait_drained("c").await;
     let stats = run.stop().await;
@@ -169,19 +182,9 @@ async fn shutdown_gives_back_what_a_pull_brings<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
 
     // The next instance gets m-1 back at once, not after ack_wait, and does m-1..m-3.
-    let second = nats
-        .worker(inbox, nats.consumer_on_new_connection("c").await)
-        .concurrency(2)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let run = Running::start(&second);
-    wait_until(
-        "the next instance to process m-1..m-3 (m-1, fetched but not started, must be nak'd on shutdown, not left to ack_wait)",
-        BACK_WITHIN,
-        async || B::count(&db, "SELECT count(*) FROM ledger").await == 4,
-    )
-    .await
-    .unwrap();
+    let what =
+        "m-1..m-3 (m-1, fetched but not started, must be nak'd on shutdown, not left to ack_wait)";
+    let run = next_instance_applies::<B>(&nats, inbox, &db, 4, what).await;
     let since_cancel = cancelled.elapsed();
     assert!(
         since_cancel < ACK_WAIT / 2,
@@ -217,16 +220,7 @@ async fn repro_shutdown_nak_spends_every_delivery<B: TestBackend>() {
     let stats = run.join().await;
     assert_eq!(stats.acked, 1, "{stats:?}");
 
-    let second = nats
-        .worker(inbox, nats.consumer_on_new_connection("c").await)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let run = Running::start(&second);
-    wait_until("the next instance to apply m-1", BACK_WITHIN, async || {
-        B::count(&db, "SELECT count(*) FROM ledger").await == 2
-    })
-    .await
-    .unwrap();
+    let run = next_instance_applies::<B>(&nats, inbox, &db, 2, "m-1").await;
     run.stop().await;
     // m-0 once; m-1 to the first instance (nak'd) and to the second.
     assert_eq!(nats.info("c").await.delivered.consumer_sequence, 3);

@@ -2,6 +2,7 @@
 //! worker for a permit, kept from redelivery by progress acks, and run once each, in delivery
 //! order; on shutdown, those still waiting go back to JetStream at once, for the next instance.
 
+use super::graceful_shutdown::next_instance_applies;
 use super::setup;
 use crate::backends::{TestBackend, assert_applied_once};
 use crate::handlers::{Entry, Probe};
@@ -123,18 +124,7 @@ async fn shutdown_gives_back_prefetched_messages<B: TestBackend>() {
         "only the message in flight runs on shutdown: {stats:?}"
     );
 
-    let second = nats
-        .worker(inbox, nats.consumer_on_new_connection("c").await)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let run = Running::start(&second);
-    wait_until(
-        "the next instance to apply the rest",
-        ACK_WAIT / 3,
-        async || B::count(&db, "SELECT count(*) FROM ledger").await == MESSAGES as i64,
-    )
-    .await
-    .unwrap();
+    let run = next_instance_applies::<B>(&nats, inbox, &db, MESSAGES as i64, "the rest").await;
     assert!(cancelled.elapsed() < ACK_WAIT / 2, "too slow to tell");
     nats.wait_drained("c").await;
     let stats = run.stop().await;
