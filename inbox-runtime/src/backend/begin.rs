@@ -106,6 +106,15 @@ impl<DB: Backend> Beginning<DB> {
         self.kill = None;
     }
 
+    /// The connection, if nothing of a try on it can still run on the server: every BEGIN
+    /// answered, and the try [settled](Beginning::settle). `None`: it is let go as on drop.
+    pub(crate) fn into_settled(mut self) -> Option<PoolConnection<DB>> {
+        if self.unanswered || self.kill.is_some() {
+            return None;
+        }
+        self.conn.take()
+    }
+
     /// Begins a transaction on the connection with `sql`, as `sqlx::Connection::begin_with`.
     pub(crate) async fn begin_with(
         &mut self,

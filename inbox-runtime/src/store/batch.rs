@@ -458,6 +458,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         let mut conn = self.try_connection().await.map_err(|_| Failed::Whole)?;
         let tried = try_on(&mut conn).await;
         conn.settle();
+        if tried.is_ok() {
+            self.keep_connection(conn);
+        }
         tried
     }
 

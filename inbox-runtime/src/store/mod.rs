@@ -9,12 +9,14 @@
 mod batch;
 mod cleanup;
 mod dead_letters;
+mod kept;
 mod partitions;
 mod process;
 mod two_phase;
 
 pub(crate) use batch::Batched;
 pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
+pub(crate) use kept::IDLE as KEPT_IDLE;
 
 use crate::backend::{
     Beginning, Cut, CutSessions, DEFAULT_LOCK_TIMEOUT, InboxBackend, InboxStatements, TableName,
@@ -31,6 +33,8 @@ use std::time::Duration;
 /// `processed_at` and COMMIT. Build the
 /// pool with `test_before_acquire(false)`: sqlx otherwise pings the server on every acquire, an
 /// extra round trip per message; a dead connection fails at BEGIN and the message is retried.
+/// A worker's tries also keep their connection from one message to the next, which spares the
+/// check sqlx makes of every connection given back to the pool: a round trip per message.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -54,6 +58,8 @@ pub struct Inbox<DB: InboxBackend> {
     pub(crate) key_reuses: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Whether a try cut at its deadline has its session killed (see `Inbox::try_connection`).
     cut: std::sync::Arc<CutSessions>,
+    /// Connections the tries keep between messages (a worker's inbox only; see `kept.rs`).
+    kept: Option<std::sync::Arc<kept::Kept<DB>>>,
 }
 
 impl<DB: InboxBackend> Clone for Inbox<DB> {
@@ -68,6 +74,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
             sql: self.sql.clone(),
             key_reuses: self.key_reuses.clone(),
             cut: self.cut.clone(),
+            kept: self.kept.clone(),
         }
     }
 }
@@ -90,6 +97,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             migration_wait: migrate::MIGRATION_LOCK_WAIT,
             key_reuses: Default::default(),
             cut: Default::default(),
+            kept: None,
         }
     }
 
@@ -163,15 +171,65 @@ impl<DB: InboxBackend> Inbox<DB> {
         self
     }
 
-    /// A connection for a message's try, armed (where the server cannot bound the try's
-    /// statements by its deadline) to kill its session should the try be cut: call
-    /// [`Beginning::settle`] once the try has ended.
-    pub(crate) async fn try_connection(&self) -> Result<Beginning<DB>, sqlx::Error> {
-        let mut conn = Beginning::new(self.pool.acquire().await?);
-        if let Some(id) = DB::session_to_kill(&mut conn, &self.cut).await? {
+    /// A connection for a message's try (one the worker's tries kept, if any), armed (where the
+    /// server cannot bound the try's statements by its deadline) to kill its session should the
+    /// try be cut: call [`Beginning::settle`] once the try has ended, then
+    /// [`Inbox::keep_connection`] if it ended cleanly.
+    pub(crate) async fn try_connection(&self) -> Result<TryConnection<DB>, sqlx::Error> {
+        let (conn, session, lease) = match self.kept.as_ref().and_then(|k| k.take()) {
+            Some((conn, session, lease)) => (conn, session, Some(lease)),
+            None => {
+                let lease = self.kept.as_ref().map(|k| k.lease());
+                (self.pool.acquire().await?, None, lease)
+            }
+        };
+        let mut conn = Beginning::new(conn);
+        let session = match session {
+            Some(id) => Some(id),
+            None => DB::session_to_kill(&mut conn, &self.cut).await?,
+        };
+        if let Some(id) = session {
             conn.arm(&self.pool, id);
         }
-        Ok(conn)
+        Ok(TryConnection {
+            conn,
+            session,
+            lease,
+        })
+    }
+
+    /// Keeps the connection of a try that ended cleanly for the next try, where the worker
+    /// keeps them (see `kept.rs`); else it goes back to the pool.
+    pub(crate) fn keep_connection(&self, conn: TryConnection<DB>) {
+        let TryConnection {
+            conn,
+            session,
+            lease,
+        } = conn;
+        if let (Some(kept), Some(lease)) = (&self.kept, lease)
+            && let Some(conn) = conn.into_settled()
+        {
+            kept.put(conn, session, lease);
+        }
+    }
+
+    /// This inbox with its tries keeping their connections between messages, the tries holding
+    /// at most `limit` at once (see `kept.rs`); for a worker, which gives them back once idle
+    /// ([`Inbox::release_idle_connections`]) and when it stops.
+    pub(crate) fn keeping_connections(mut self, limit: usize) -> Self {
+        self.kept = (limit > 0).then(|| std::sync::Arc::new(kept::Kept::new(limit)));
+        self
+    }
+
+    /// Gives back to the pool the kept connections unused for a while (all of them with
+    /// `all`).
+    pub(crate) fn release_idle_connections(&self, all: bool) {
+        if let Some(kept) = &self.kept {
+            match all {
+                true => kept.release_all(),
+                false => kept.release_idle(),
+            }
+        }
     }
 
     /// For tests (feature `test-util`, not part of the stable API): how long
@@ -264,5 +322,28 @@ fn probed<DB: InboxBackend>(
     match written {
         Err(sqlx::Error::Database(e)) if DB::is_conflict_error(e.as_ref()) => Ok(()),
         written => written.map(|_| ()),
+    }
+}
+
+/// A try's connection ([`Inbox::try_connection`]): its session's id where a cut try's session is
+/// killed, and, in a worker, its count among the connections the tries hold.
+#[derive(Debug)]
+pub(crate) struct TryConnection<DB: InboxBackend> {
+    conn: Beginning<DB>,
+    session: Option<u64>,
+    lease: Option<kept::Lease>,
+}
+
+impl<DB: InboxBackend> std::ops::Deref for TryConnection<DB> {
+    type Target = Beginning<DB>;
+
+    fn deref(&self) -> &Beginning<DB> {
+        &self.conn
+    }
+}
+
+impl<DB: InboxBackend> std::ops::DerefMut for TryConnection<DB> {
+    fn deref_mut(&mut self) -> &mut Beginning<DB> {
+        &mut self.conn
     }
 }

@@ -4,7 +4,7 @@
 
 use super::Inbox;
 use crate::backend::{Claimed, InboxBackend};
-use crate::classify::is_read_only;
+use crate::classify::{is_outage, is_read_only};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome, message_key};
@@ -90,14 +90,23 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
         .await;
         conn.settle();
-        if let Err(e) = &done
-            && is_read_only::<DB>(e)
-        {
-            conn.close_on_drop();
+        // Back in the pool (unless kept) before a failed COMMIT's marker is looked up on another
+        // connection: with every connection in use, the lookup would wait for its own.
+        match &done {
+            // Ended cleanly: committed, or a duplicate rolled back.
+            Ok(Ok(_)) => self.keep_connection(conn),
+            // The connections kept are likely to reach the same standby, or to be dead too.
+            Err(e) if is_read_only::<DB>(e) => {
+                conn.close_on_drop();
+                drop(conn);
+                self.release_idle_connections(true);
+            }
+            Err(e) if is_outage::<DB>(e) => {
+                drop(conn);
+                self.release_idle_connections(true);
+            }
+            _ => drop(conn),
         }
-        // Back in the pool before a failed COMMIT's marker is looked up on another connection:
-        // with every connection in use, the lookup would wait for its own.
-        drop(conn);
         match done? {
             Ok(outcome) => Ok(outcome),
             Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,

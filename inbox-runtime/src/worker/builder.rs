@@ -393,8 +393,12 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
         let consumer = PullConsumer::new(config, info.clone(), self.jetstream.clone());
         let backstop_js = self.backstop_on.unwrap_or_else(|| self.jetstream.clone());
         // No statement outlives the try it belongs to by more than the deadline.
+        // Connections are kept between tries (`store/kept.rs`) while at least one of the pool's
+        // goes round through it.
         Ok(Worker::new(
-            self.inbox.bounded_by(options.deadline),
+            self.inbox
+                .bounded_by(options.deadline)
+                .keeping_connections(pool_size.saturating_sub(1)),
             (self.jetstream, backstop_js),
             consumer,
             handler,

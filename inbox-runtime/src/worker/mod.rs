@@ -366,6 +366,12 @@ where
             );
         }
         keep(
+            "kept connections release",
+            Box::new(|inner, stop| {
+                Box::pin(upkeep::release_kept_connections(inner.inbox.clone(), stop))
+            }),
+        );
+        keep(
             "max_deliver refresh",
             Box::new(|inner, stop| Box::pin(upkeep::refresh_max_deliver(inner, stop))),
         );
@@ -380,6 +386,9 @@ where
         pull::run(&self.inner, &shutdown, &tasks).await;
         tasks.close();
         tasks.wait().await;
+        // Nothing runs on the kept connections any more: back to the pool, which may be closed
+        // next (it waits for every connection out of it).
+        self.inner.inbox.release_idle_connections(true);
         if let Err(e) = self.inner.jetstream.client().flush().await {
             tracing::warn!(error = %e, "flushing acks on shutdown failed");
         }

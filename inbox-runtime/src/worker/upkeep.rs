@@ -1,6 +1,7 @@
 //! A worker's background tasks beside the pull loop, each a periodic pass until shutdown:
 //! cleanup of old markers, partitions ahead, the sweep of open two-phase claims, the dead
-//! letters parked in the database, and the read of the consumer's `max_deliver`.
+//! letters parked in the database, the read of the consumer's `max_deliver`, and the release of
+//! connections kept idle.
 
 use super::Inner;
 use super::check::Sweep;
@@ -9,7 +10,7 @@ use crate::backend::InboxBackend;
 use crate::handler::Handler;
 use crate::layout::Partitions;
 use crate::periodic::Every;
-use crate::store::Inbox;
+use crate::store::{Inbox, KEPT_IDLE};
 use async_nats::jetstream;
 use async_nats::jetstream::consumer::PullConsumer;
 use std::sync::Arc;
@@ -175,5 +176,17 @@ pub(super) async fn refresh_max_deliver<H: Handler>(
             _ = shutdown.cancelled() => return,
             _ = inner.refresh_max_deliver() => {}
         }
+    }
+}
+
+/// Gives back to the pool, twice per [`KEPT_IDLE`], the connections the tries kept and have not
+/// used for that long (see `store/kept.rs`), until `shutdown`.
+pub(super) async fn release_kept_connections<DB: InboxBackend>(
+    inbox: Inbox<DB>,
+    shutdown: CancellationToken,
+) {
+    let mut every = Every::new(KEPT_IDLE / 2, shutdown);
+    while every.tick().await {
+        inbox.release_idle_connections(false);
     }
 }

@@ -63,6 +63,7 @@ mod held_race_commit;
 mod held_race_rollback;
 mod hot_rows_in_batches;
 mod invalid_keys_are_rejected;
+mod kept_connections;
 mod key_reuse;
 mod keys_compare_as_bytes;
 mod long_handler_sends_progress;
