@@ -38,6 +38,9 @@ pub(crate) struct Beginning<DB: Backend> {
     unanswered: bool,
     /// The session to kill if the try is cut: the pool to connect with and the session's id.
     kill: Option<(Pool<DB>, u64)>,
+    /// The session's id it was armed with, kept once settled: a connection kept for another try
+    /// is armed again with it, without asking the server.
+    session: Option<u64>,
 }
 
 /// Whether the tries of an inbox must have their sessions killed when cut at their deadline:
@@ -91,6 +94,7 @@ impl<DB: Backend> Beginning<DB> {
             conn: Some(conn),
             unanswered: false,
             kill: None,
+            session: None,
         }
     }
 
@@ -98,6 +102,7 @@ impl<DB: Backend> Beginning<DB> {
     /// options if this is dropped before [`Beginning::settle`].
     pub(crate) fn arm(&mut self, pool: &Pool<DB>, id: u64) {
         self.kill = Some((pool.clone(), id));
+        self.session = Some(id);
     }
 
     /// The try on this connection ended (whichever way) rather than being cut: nothing of it
@@ -106,13 +111,14 @@ impl<DB: Backend> Beginning<DB> {
         self.kill = None;
     }
 
-    /// The connection, if nothing of a try on it can still run on the server: every BEGIN
-    /// answered, and the try [settled](Beginning::settle). `None`: it is let go as on drop.
-    pub(crate) fn into_settled(mut self) -> Option<PoolConnection<DB>> {
+    /// The connection and the session id it was [armed](Beginning::arm) with, if nothing of a
+    /// try on it can still run on the server: every BEGIN answered, and the try
+    /// [settled](Beginning::settle). `None`: it is let go as on drop.
+    pub(crate) fn into_settled(mut self) -> Option<(PoolConnection<DB>, Option<u64>)> {
         if self.unanswered || self.kill.is_some() {
             return None;
         }
-        self.conn.take()
+        self.conn.take().map(|conn| (conn, self.session))
     }
 
     /// Begins a transaction on the connection with `sql`, as `sqlx::Connection::begin_with`.

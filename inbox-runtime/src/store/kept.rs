@@ -40,7 +40,8 @@ struct Idle<DB: Database> {
     /// Its session's id, where a cut try's session is killed (`Beginning::arm`).
     session: Option<u64>,
     since: Instant,
-    _lease: Lease,
+    /// Counted as held while kept.
+    lease: Lease,
 }
 
 /// Counts a connection as held by the tries until dropped.
@@ -75,7 +76,7 @@ impl<DB: Database> Kept<DB> {
                 match idle.pop() {
                     None => break None,
                     Some(i) if i.since.elapsed() >= IDLE => stale.push(i),
-                    Some(i) => break Some((i.conn, i.session, i._lease)),
+                    Some(i) => break Some((i.conn, i.session, i.lease)),
                 }
             }
         };
@@ -100,7 +101,7 @@ impl<DB: Database> Kept<DB> {
             conn,
             session,
             since: Instant::now(),
-            _lease: lease,
+            lease,
         };
         self.idle
             .lock()
@@ -108,13 +109,13 @@ impl<DB: Database> Kept<DB> {
             .push(entry);
     }
 
-    /// Gives back to the pool the connections unused for [`IDLE`].
-    pub(crate) fn release_idle(&self) {
+    /// Gives back to the pool the connections unused for [`IDLE`] by `now`.
+    pub(crate) fn release_idle(&self, now: Instant) {
         let stale: Vec<Idle<DB>> = {
             let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
             let (stale, fresh) = std::mem::take(&mut *idle)
                 .into_iter()
-                .partition(|i| i.since.elapsed() >= IDLE);
+                .partition(|i| now.saturating_duration_since(i.since) >= IDLE);
             *idle = fresh;
             stale
         };
@@ -170,10 +171,9 @@ mod tests {
         assert_eq!((session, kept.kept(), kept.held()), (Some(7), 1, 2));
         kept.put(conn, session, lease);
         // Fresh ones stay; idle ones go back to the pool, where they are idle for everyone.
-        kept.release_idle();
+        kept.release_idle(Instant::now());
         assert_eq!(kept.kept(), 2);
-        tokio::time::sleep(IDLE).await;
-        kept.release_idle();
+        kept.release_idle(Instant::now() + IDLE);
         assert_eq!((kept.kept(), kept.held()), (0, 0));
         assert!(kept.take().is_none());
         // All of them go when the worker stops.

@@ -191,23 +191,15 @@ impl<DB: InboxBackend> Inbox<DB> {
         if let Some(id) = session {
             conn.arm(&self.pool, id);
         }
-        Ok(TryConnection {
-            conn,
-            session,
-            lease,
-        })
+        Ok(TryConnection { conn, lease })
     }
 
     /// Keeps the connection of a try that ended cleanly for the next try, where the worker
     /// keeps them (see `kept.rs`); else it goes back to the pool.
     pub(crate) fn keep_connection(&self, conn: TryConnection<DB>) {
-        let TryConnection {
-            conn,
-            session,
-            lease,
-        } = conn;
+        let TryConnection { conn, lease } = conn;
         if let (Some(kept), Some(lease)) = (&self.kept, lease)
-            && let Some(conn) = conn.into_settled()
+            && let Some((conn, session)) = conn.into_settled()
         {
             kept.put(conn, session, lease);
         }
@@ -215,20 +207,23 @@ impl<DB: InboxBackend> Inbox<DB> {
 
     /// This inbox with its tries keeping their connections between messages, the tries holding
     /// at most `limit` at once (see `kept.rs`); for a worker, which gives them back once idle
-    /// ([`Inbox::release_idle_connections`]) and when it stops.
+    /// ([`Inbox::release_idle_connections`]) and when it stops ([`Inbox::release_kept_connections`]).
     pub(crate) fn keeping_connections(mut self, limit: usize) -> Self {
         self.kept = (limit > 0).then(|| std::sync::Arc::new(kept::Kept::new(limit)));
         self
     }
 
-    /// Gives back to the pool the kept connections unused for a while (all of them with
-    /// `all`).
-    pub(crate) fn release_idle_connections(&self, all: bool) {
+    /// Gives back to the pool the kept connections unused for a while.
+    pub(crate) fn release_idle_connections(&self) {
         if let Some(kept) = &self.kept {
-            match all {
-                true => kept.release_all(),
-                false => kept.release_idle(),
-            }
+            kept.release_idle(std::time::Instant::now());
+        }
+    }
+
+    /// Gives back to the pool every kept connection.
+    pub(crate) fn release_kept_connections(&self) {
+        if let Some(kept) = &self.kept {
+            kept.release_all();
         }
     }
 
@@ -325,12 +320,11 @@ fn probed<DB: InboxBackend>(
     }
 }
 
-/// A try's connection ([`Inbox::try_connection`]): its session's id where a cut try's session is
-/// killed, and, in a worker, its count among the connections the tries hold.
+/// A try's connection ([`Inbox::try_connection`]) and, in a worker, its count among the
+/// connections the tries hold.
 #[derive(Debug)]
 pub(crate) struct TryConnection<DB: InboxBackend> {
     conn: Beginning<DB>,
-    session: Option<u64>,
     lease: Option<kept::Lease>,
 }
 

@@ -71,6 +71,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         // The connection is held apart from its transaction: one that answers "read-only" (to
         // a standby, after a failover) leaves the pool, since a new one may reach the primary.
         let mut conn = self.try_connection().await.map_err(begin)?;
+        // Whether a duplicate's ROLLBACK went through: one that failed leaves the connection
+        // for the pool's check, not for the next try.
+        let mut rolled_back = true;
         let done = async {
             let mut tx = conn
                 .begin_with(self.sql.begin.clone())
@@ -83,7 +86,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 Ok(Some(id)) => self.finish_and_commit(tx, id, key, delivery).await,
                 other => {
                     // A duplicate wrote nothing and a failure must leave nothing.
-                    roll_back(tx).await;
+                    rolled_back = roll_back(tx).await;
                     other.map(|_| Ok(Outcome::Skip))
                 }
             }
@@ -94,16 +97,16 @@ impl<DB: InboxBackend> Inbox<DB> {
         // connection: with every connection in use, the lookup would wait for its own.
         match &done {
             // Ended cleanly: committed, or a duplicate rolled back.
-            Ok(Ok(_)) => self.keep_connection(conn),
+            Ok(Ok(_)) if rolled_back => self.keep_connection(conn),
             // The connections kept are likely to reach the same standby, or to be dead too.
             Err(e) if is_read_only::<DB>(e) => {
                 conn.close_on_drop();
                 drop(conn);
-                self.release_idle_connections(true);
+                self.release_kept_connections();
             }
             Err(e) if is_outage::<DB>(e) => {
                 drop(conn);
-                self.release_idle_connections(true);
+                self.release_kept_connections();
             }
             _ => drop(conn),
         }
@@ -335,8 +338,13 @@ impl<DB: InboxBackend> Inbox<DB> {
 }
 
 /// Rolls `tx` back now rather than on drop, so that the connection returns to the pool clean.
-async fn roll_back<DB: InboxBackend>(tx: Transaction<'_, DB>) {
-    if let Err(e) = tx.rollback().await {
-        tracing::debug!(error = %e, "rollback failed; the connection is discarded");
+/// `false`: it failed, and the connection is left to the pool's check.
+async fn roll_back<DB: InboxBackend>(tx: Transaction<'_, DB>) -> bool {
+    match tx.rollback().await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(error = %e, "rollback failed; the connection is left to the pool's check");
+            false
+        }
     }
 }

@@ -388,7 +388,7 @@ where
         tasks.wait().await;
         // Nothing runs on the kept connections any more: back to the pool, which may be closed
         // next (it waits for every connection out of it).
-        self.inner.inbox.release_idle_connections(true);
+        self.inner.inbox.release_kept_connections();
         if let Err(e) = self.inner.jetstream.client().flush().await {
             tracing::warn!(error = %e, "flushing acks on shutdown failed");
         }

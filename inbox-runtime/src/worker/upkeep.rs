@@ -187,6 +187,6 @@ pub(super) async fn release_kept_connections<DB: InboxBackend>(
 ) {
     let mut every = Every::new(KEPT_IDLE / 2, shutdown);
     while every.tick().await {
-        inbox.release_idle_connections(false);
+        inbox.release_idle_connections();
     }
 }

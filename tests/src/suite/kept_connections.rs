@@ -68,7 +68,9 @@ async fn a_busy_worker_leaves_the_pool_a_connection_going_round<B: TestBackend>(
     drop(other);
 
     let mut poll = inbox_testkit::Poll::new("the backlog drained", Duration::from_secs(60));
-    while nats.info("c").await.num_ack_pending > 0 || nats.info("c").await.num_pending > 0 {
+    while let info = nats.info("c").await
+        && (info.num_ack_pending > 0 || info.num_pending > 0)
+    {
         worker.state().release();
         poll.tick().await.unwrap();
     }
