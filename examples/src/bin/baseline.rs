@@ -12,7 +12,8 @@
 //!   `done {json}` (elapsed seconds, transaction and claim latencies), then waits for its stdin
 //!   to close, so that the bench can read its CPU time and peak memory before it exits.
 //! - `baseline consumer`: what a user writes instead of the framework, as well as we can: one
-//!   long-lived pull (async-nats's message stream, with heartbeats), `BENCH_CONCURRENCY`
+//!   long-lived pull (async-nats's message stream, with heartbeats, `BENCH_CONCURRENCY` and at
+//!   least two messages per pull request), `BENCH_CONCURRENCY`
 //!   messages at once, each a credit transaction (a duplicate claims nothing and writes nothing)
 //!   then an ack; and beside it, in a task of its own, a hand-written outbox relay looping:
 //!   BEGIN, the oldest 100 pending rows (`FOR UPDATE SKIP LOCKED` on PostgreSQL and
@@ -530,9 +531,13 @@ async fn consume<DB: Credit>(
     let stream = js.get_stream(var("CREDIT_STREAM")?).await?;
     let consumer: async_nats::jetstream::consumer::PullConsumer =
         stream.get_consumer(&var("CREDIT_CONSUMER")?).await?;
+    // At least two per pull request: with one, async-nats 0.51's stream counts the next
+    // request's message before the request itself when the reply outruns its own bookkeeping,
+    // then believes a message is still coming and waits out the request's 30 s expiry (seen
+    // as "missed idle heartbeat" stalls on SQLite, whose concurrency is 1).
     let messages = consumer
         .stream()
-        .max_messages_per_batch(c)
+        .max_messages_per_batch(c.max(2))
         .heartbeat(Duration::from_secs(5))
         .expires(Duration::from_secs(30))
         .messages()
