@@ -321,6 +321,16 @@ macro_rules! backend_handlers {
             append_probed(&msg, tx, probe).await
         }
 
+        /// [`ledger`], laned by the account: a batch runs its messages by account, then key.
+        #[idempotent(consumer = "ledger_laned", key = msg.key, lane = msg.account)]
+        pub async fn ledger_laned(
+            msg: Entry,
+            tx: &mut Tx<$db>,
+            probe: &Probe,
+        ) -> Result<(), LedgerError> {
+            append_probed(&msg, tx, probe).await
+        }
+
         /// Appends a ledger row; keyed by the transport id.
         #[idempotent(consumer = "ledger_by_transport_id")]
         pub async fn ledger_by_transport_id(

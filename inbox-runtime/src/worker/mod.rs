@@ -175,7 +175,7 @@ struct Inner<H: Handler> {
     connections: Arc<tokio::sync::Semaphore>,
     /// Batched workers of a laned handler: the turns of its batch slots, one per connection
     /// (see `slots`); none otherwise.
-    turns: Vec<Arc<tokio::sync::Mutex<()>>>,
+    turns: slots::Turns,
     /// The metric handles, registered when the worker starts (after the application installed
     /// its recorder).
     metrics: std::sync::OnceLock<crate::metrics::Handles>,
@@ -214,10 +214,8 @@ impl<H: Handler> Worker<H> {
                 max_deliver: max_deliver::MaxDeliver::new(settings.max_deliver),
                 connections: Arc::new(tokio::sync::Semaphore::new(settings.connections)),
                 turns: match (H::LANED, settings.batch) {
-                    (true, Some(_)) => (0..settings.connections.max(1))
-                        .map(|_| Arc::new(tokio::sync::Mutex::new(())))
-                        .collect(),
-                    _ => Vec::new(),
+                    (true, Some(_)) => slots::Turns::new(settings.connections.max(1)),
+                    _ => slots::Turns::default(),
                 },
                 metrics: std::sync::OnceLock::new(),
                 settings,

@@ -76,10 +76,14 @@ where
             free_bytes: None,
             open: Open::default(),
             last_delivery: &mut last_delivery,
-            slots: inner
-                .settings
-                .batch
-                .map(|b| Slots::new(&inner.turns, b.max_messages, b.max_wait)),
+            slots: inner.settings.batch.map(|b| {
+                Slots::new(
+                    &inner.turns,
+                    b.max_messages,
+                    b.max_wait,
+                    inner.settings.progress_every,
+                )
+            }),
         };
         match session.pull().await {
             Ok(()) => break,
@@ -203,7 +207,7 @@ where
             // A server that sends neither messages nor heartbeats for two heartbeats while
             // requests are open has lost them (restarted, or the connection was replaced).
             let silent_at = (self.open.outstanding > 0).then(|| heard + heartbeat * 2);
-            let batch_due = self.slots.as_ref().and_then(Slots::next_due);
+            let batch_due = self.slots.as_ref().and_then(|s| s.next_due(Instant::now()));
             let next = tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled(), if !stopping => {
@@ -212,7 +216,12 @@ where
                     continue;
                 }
                 _ = sleep_until(batch_due), if batch_due.is_some() => {
-                    self.flush_batches(batch_due);
+                    self.flush_batches(Some(Instant::now()));
+                    continue;
+                }
+                // A batch gave its slot's turn back: the slot's next batch may go.
+                _ = inner.turns.freed.notified(), if batch_due.is_some() => {
+                    self.flush_batches(Some(Instant::now()));
                     continue;
                 }
                 next = subscription.next() => next,
@@ -411,10 +420,10 @@ where
         });
     }
 
-    /// Starts the batches due by `due` (all of them with `None`), each on a task of its own.
-    fn flush_batches(&mut self, due: Option<Instant>) {
+    /// Starts the batches that go at `now` (all of them with `None`), each on a task of its own.
+    fn flush_batches(&mut self, now: Option<Instant>) {
         let ready = match self.slots.as_mut() {
-            Some(slots) => slots.take_due(due),
+            Some(slots) => slots.take_due(now),
             None => return,
         };
         for ready in ready {

@@ -7,6 +7,7 @@
 use super::Inner;
 use super::requests::Held;
 use super::serve::with_progress;
+use super::slots::Turn;
 use super::verdict::Verdict;
 use crate::delivery::Delivery;
 use crate::error::ProcessError;
@@ -69,7 +70,7 @@ where
         // then a connection.
         let waiting = async {
             let turn = match turn {
-                Some(turn) => Some(turn.lock_owned().await),
+                Some(turn) => Some(Turn::take(turn, self.turns.freed.clone()).await),
                 None => None,
             };
             (turn, self.connections.clone().acquire_owned().await)

@@ -45,6 +45,8 @@ pub trait TestBackend: Send + Sync + 'static {
     type ProbedByTransportId: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
     /// `ledger_strict`: `ledger` with `on_key_reuse = reject`.
     type LedgerStrict: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
+    /// `ledger_laned`: `ledger` with `lane = msg.account`.
+    type LedgerLaned: Handler<Db = Self::Db, Message = Entry, State = Probe> + Default;
     /// `credit`.
     type Credit: Handler<Db = Self::Db, Message = Entry, State = ()> + Default;
     /// `credit_laned`: `credit` with `lane = msg.account`.

@@ -26,6 +26,7 @@ impl TestBackend for MySql {
     type LedgerStrict = handlers::ledger_strict;
     type Credit = handlers::credit;
     type CreditLaned = handlers::credit_laned;
+    type LedgerLaned = handlers::ledger_laned;
     type Payment = handlers::payment;
     type Remote = handlers::remote;
     type Announce = handlers::announce;

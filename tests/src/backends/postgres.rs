@@ -38,6 +38,7 @@ macro_rules! postgres_backend {
     type LedgerStrict = handlers::ledger_strict;
     type Credit = handlers::credit;
     type CreditLaned = handlers::credit_laned;
+    type LedgerLaned = handlers::ledger_laned;
     type Payment = handlers::payment;
     type Remote = handlers::remote;
     type Announce = handlers::announce;
