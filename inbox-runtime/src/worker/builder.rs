@@ -115,11 +115,12 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     }
 
     /// Commits up to `max_messages` messages in one transaction (one COMMIT, so one fsync, for
-    /// all), waiting `max_wait` after a batch's first message for more. Off by default. With a
-    /// lane (below), a batch whose slot's previous batch still runs goes on collecting until
-    /// that one ends (it could not start before), or until it is full, or at the latest a third
-    /// of `ack_wait` after its first message: under load batches grow with the backlog, as in a
-    /// database's group commit, instead of queueing up small behind each other.
+    /// all), waiting `max_wait` after a batch's first message for more. Off by default. A batch
+    /// that could not start yet (with a lane, below: its slot's previous batch still runs;
+    /// without: every connection of the worker is taken) goes on collecting until it could, or
+    /// until it is full, or at the latest a third of `ack_wait` after its first message: under
+    /// load batches grow with the backlog, as in a database's group commit, instead of queueing
+    /// up small behind each other.
     ///
     /// A batch is sorted by lane, then key, and each message's claim and handler run in one
     /// transaction; two copies of a key in a batch make the second a Skip. When a message fails,

@@ -79,6 +79,7 @@ where
             slots: inner.settings.batch.map(|b| {
                 Slots::new(
                     &inner.turns,
+                    &inner.connections,
                     b.max_messages,
                     b.max_wait,
                     inner.settings.progress_every,
@@ -219,7 +220,7 @@ where
                     self.flush_batches(Some(Instant::now()));
                     continue;
                 }
-                // A batch gave its slot's turn back: the slot's next batch may go.
+                // A batch gave its slot's turn or a connection back: a batch may go.
                 _ = inner.turns.freed.notified(), if batch_due.is_some() => {
                     self.flush_batches(Some(Instant::now()));
                     continue;

@@ -7,7 +7,7 @@
 use super::Inner;
 use super::requests::Held;
 use super::serve::with_progress;
-use super::slots::Turn;
+use super::slots::{Connection, Turn};
 use super::verdict::Verdict;
 use crate::delivery::Delivery;
 use crate::error::ProcessError;
@@ -59,8 +59,11 @@ where
         let alone = |(message, permit): Waiting| {
             let (inner, shutdown) = (self.clone(), shutdown.clone());
             tasks.spawn(async move {
+                let freed = inner.turns.freed.clone();
                 let waiting = inner.connections.clone().acquire_owned();
-                let _connection = with_progress(&[&message], every, waiting).await;
+                let _connection = with_progress(&[&message], every, waiting)
+                    .await
+                    .map(|permit| Connection::new(permit, freed));
                 inner.serve(message, permit, shutdown).await
             });
         };
@@ -73,7 +76,12 @@ where
                 Some(turn) => Some(Turn::take(turn, self.turns.freed.clone()).await),
                 None => None,
             };
-            (turn, self.connections.clone().acquire_owned().await)
+            let connection = self.connections.clone().acquire_owned().await;
+            let freed = self.turns.freed.clone();
+            (
+                turn,
+                connection.map(|permit| Connection::new(permit, freed)),
+            )
         };
         let (turn, connection) = with_progress(&held, every, waiting).await;
         drop(held);

@@ -3,25 +3,25 @@
 //! onto a slot ([`Lane::slot`](crate::Lane::slot)) and each slot's batches run one after the
 //! other, so that messages of one lane never sit in two running batches of the worker at once.
 //!
-//! A slot's batch is due `max_wait` after its first message; but while the slot's previous
-//! batch still runs (holds the turn), the next one keeps collecting (it could not start
-//! anyway) and goes as soon as the turn is free ([`Turns::freed`] wakes the puller), or when it
-//! is full, or at the latest when its first message has waited `longest` (it then waits for
-//! the turn with progress acks). So under load a slot's batches grow with the backlog, as in a
+//! A slot's batch is due `max_wait` after its first message; but while it could not start
+//! anyway (a laned slot's previous batch still holds the turn; without lanes, every connection
+//! of the worker is taken), it keeps collecting and goes as soon as that ends ([`Turns::freed`]
+//! wakes the puller), or when it is full, or at the latest when its first message has waited
+//! `longest` (it then waits for the turn or a connection with progress acks). So under load a slot's batches grow with the backlog, as in a
 //! database's group commit, rather than queue up `max_wait`-sized behind each other: with
 //! several processes on one consumer a slot gets a fraction of the messages, and fixed 10 ms
 //! batches were one or two messages each.
 
 use std::sync::Arc;
-use tokio::sync::{Mutex, Notify, OwnedMutexGuard};
+use tokio::sync::{Mutex, Notify, OwnedMutexGuard, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
 /// The turns of a laned worker's batch slots, one per connection, and what wakes the puller
-/// when one is given back.
+/// when one is given back, or a connection permit.
 #[derive(Debug, Default)]
 pub(super) struct Turns {
     pub(super) turns: Vec<Arc<Mutex<()>>>,
-    /// Notified each time a batch gives its turn back.
+    /// Notified each time a batch gives its turn back, or a connection permit.
     pub(super) freed: Arc<Notify>,
 }
 
@@ -35,23 +35,40 @@ impl Turns {
     }
 }
 
-/// A slot's turn, held by its running batch; given back on drop, then the puller is woken.
-pub(super) struct Turn {
-    guard: Option<OwnedMutexGuard<()>>,
+/// What a batch holds (its slot's turn, a connection permit), given back on drop, then the
+/// puller is woken.
+pub(super) struct Freeing<G> {
+    guard: Option<G>,
     freed: Arc<Notify>,
 }
+
+/// A slot's turn, held by its running batch.
+pub(super) type Turn = Freeing<OwnedMutexGuard<()>>;
 
 impl Turn {
     /// Waits for `turn`; `freed` is notified when it is given back.
     pub(super) async fn take(turn: Arc<Mutex<()>>, freed: Arc<Notify>) -> Turn {
-        Turn {
+        Freeing {
             guard: Some(turn.lock_owned().await),
             freed,
         }
     }
 }
 
-impl Drop for Turn {
+/// A connection permit of a batched worker, held by a batch or a message served alone.
+pub(super) type Connection = Freeing<OwnedSemaphorePermit>;
+
+impl Connection {
+    /// `permit`; `freed` is notified when it is given back.
+    pub(super) fn new(permit: OwnedSemaphorePermit, freed: Arc<Notify>) -> Connection {
+        Freeing {
+            guard: Some(permit),
+            freed,
+        }
+    }
+}
+
+impl<G> Drop for Freeing<G> {
     fn drop(&mut self) {
         // Given back first, so that the puller, woken, finds it free.
         self.guard.take();
@@ -75,12 +92,19 @@ struct Slot<T> {
     latest: Option<Instant>,
     /// Held by the slot's running batch (laned handlers).
     turn: Option<Arc<Mutex<()>>>,
+    /// The worker's connection permits (a handler without lanes).
+    connections: Option<Arc<Semaphore>>,
 }
 
 impl<T> Slot<T> {
-    /// Whether the slot's previous batch still holds its turn.
+    /// Whether a batch of the slot could not start now: its previous batch still holds the
+    /// turn, or (without lanes) every connection is taken.
     fn busy(&self) -> bool {
-        self.turn.as_ref().is_some_and(|t| t.try_lock().is_err())
+        match (&self.turn, &self.connections) {
+            (Some(turn), _) => turn.try_lock().is_err(),
+            (None, Some(connections)) => connections.available_permits() == 0,
+            (None, None) => false,
+        }
     }
 
     /// When the batch being collected goes, as things stand at `now`.
@@ -103,11 +127,12 @@ pub(super) struct Slots<T> {
 impl<T> Slots<T> {
     /// A slot per turn of `turns` (the worker's, which outlive a pull session, so that batches
     /// of a session that ended still take turns with the next one's), or one slot without turns
-    /// when there are none (a handler without lanes); each flushes at `max_messages`, or
-    /// `max_wait` after its first message once its turn is free, or `longest` after it
-    /// (at least `max_wait`) in any case.
+    /// when there are none (a handler without lanes), which waits for one of `connections`;
+    /// each flushes at `max_messages`, or `max_wait` after its first message once it could
+    /// start, or `longest` after it (at least `max_wait`) in any case.
     pub(super) fn new(
         turns: &Turns,
+        connections: &Arc<Semaphore>,
         max_messages: usize,
         max_wait: std::time::Duration,
         longest: std::time::Duration,
@@ -116,6 +141,7 @@ impl<T> Slots<T> {
             waiting: Vec::new(),
             due: None,
             latest: None,
+            connections: turn.is_none().then(|| connections.clone()),
             turn,
         };
         Slots {
@@ -148,8 +174,8 @@ impl<T> Slots<T> {
         (s.waiting.len() >= self.max_messages).then(|| Self::take(s))
     }
 
-    /// When the next batch goes, as things stand at `now`, if any is being collected. A slot
-    /// whose turn is held goes when it is given back, which [`Turns::freed`] tells.
+    /// When the next batch goes, as things stand at `now`, if any is being collected. A busy
+    /// slot goes when its turn or a connection is given back, which [`Turns::freed`] tells.
     pub(super) fn next_due(&self, now: Instant) -> Option<Instant> {
         self.slots.iter().filter_map(|s| s.goes_at(now)).min()
     }
@@ -185,7 +211,8 @@ mod tests {
     async fn slots_fill_and_fall_due_on_their_own() {
         let turns = Turns::new(3);
         let ms = Duration::from_millis;
-        let mut slots = Slots::new(&turns, 2, ms(10), ms(100));
+        let connections = Arc::new(Semaphore::new(3));
+        let mut slots = Slots::new(&turns, &connections, 2, ms(10), ms(100));
         assert_eq!(slots.len(), 3);
         assert!(slots.push(4, 'a').is_none());
         assert!(slots.push(2, 'b').is_none());
@@ -200,7 +227,7 @@ mod tests {
         assert!(!Arc::ptr_eq(&turn, due[0].turn.as_ref().unwrap()));
         assert!(slots.next_due(Instant::now()).is_none() && slots.take_due(None).is_empty());
         // Without lanes: one slot, no turns.
-        let mut one = Slots::new(&Turns::default(), 5, ms(10), ms(100));
+        let mut one = Slots::new(&Turns::default(), &connections, 5, ms(10), ms(100));
         assert_eq!(one.len(), 1);
         assert!(one.push(7, 1).is_none());
         let all = one.take_due(None);
@@ -211,7 +238,8 @@ mod tests {
     async fn a_slot_whose_turn_is_held_collects_until_it_is_given_back() {
         let turns = Turns::new(1);
         let ms = Duration::from_millis;
-        let mut slots = Slots::new(&turns, 64, ms(10), ms(100));
+        let connections = Arc::new(Semaphore::new(1));
+        let mut slots = Slots::new(&turns, &connections, 64, ms(10), ms(100));
         let running = Turn::take(turns.turns[0].clone(), turns.freed.clone()).await;
         assert!(slots.push(0, 1).is_none());
         tokio::time::advance(ms(11)).await;
@@ -235,5 +263,24 @@ mod tests {
         assert!(slots.take_due(Some(Instant::now())).is_empty());
         tokio::time::advance(ms(50)).await;
         assert_eq!(slots.take_due(Some(Instant::now()))[0].batch, vec![3]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_lanes_the_slot_collects_while_every_connection_is_taken() {
+        let turns = Turns::default();
+        let ms = Duration::from_millis;
+        let connections = Arc::new(Semaphore::new(1));
+        let mut slots = Slots::new(&turns, &connections, 64, ms(10), ms(100));
+        let permit = connections.clone().try_acquire_owned().unwrap();
+        let taken = Connection::new(permit, turns.freed.clone());
+        assert!(slots.push(0, 1).is_none());
+        tokio::time::advance(ms(11)).await;
+        assert!(slots.push(0, 2).is_none());
+        assert!(slots.take_due(Some(Instant::now())).is_empty());
+        drop(taken);
+        tokio::time::timeout(ms(1), turns.freed.notified())
+            .await
+            .expect("giving the connection back notifies");
+        assert_eq!(slots.take_due(Some(Instant::now()))[0].batch, vec![1, 2]);
     }
 }

@@ -5,6 +5,7 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, OnConnection, Running};
+use inbox_runtime::Handler;
 use inbox_testkit::wait_until;
 use std::time::Duration;
 
@@ -178,10 +179,24 @@ async fn a_batch_waiting_for_more_spends_no_delivery<B: TestBackend>() {
 /// While a slot's batch runs (holds the slot's turn), what arrives for the slot keeps
 /// collecting past `max_wait`, and goes as one batch when the turn is given back: batches grow
 /// with the backlog rather than queue up `max_wait`-sized behind the running one (with several
-/// processes on one consumer, those were one or two messages each). Seen as the handler's order:
+/// processes on one consumer, those were one or two messages each).
+async fn a_slot_collects_while_its_batch_runs<B: TestBackend>() {
+    collects_while_busy::<B, B::LedgerLaned>().await
+}
+
+/// Without lanes, the same while every connection of the worker is taken.
+async fn a_batch_collects_while_every_connection_is_taken<B: TestBackend>() {
+    collects_while_busy::<B, B::Ledger>().await
+}
+
+/// A batched worker with one connection (so one slot) whose first batch holds at the gate;
+/// messages `z-*`, then, after the `z-*` batch's `max_wait`, `a-*`. Seen as the handler's order:
 /// one batch runs its messages by lane, then key, so keys `a-*` that arrived after `z-*` still
 /// run first.
-async fn a_slot_collects_while_its_batch_runs<B: TestBackend>() {
+async fn collects_while_busy<B: TestBackend, H>()
+where
+    H: Handler<Db = B::Db, Message = Entry, State = Probe> + Default,
+{
     let (db, inbox) = setup::<B>(2).await;
     let nats = NatsStream::create().await;
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
@@ -191,7 +206,7 @@ async fn a_slot_collects_while_its_batch_runs<B: TestBackend>() {
         .worker(inbox, consumer)
         .concurrency(1)
         .batch(64, max_wait)
-        .build_with_state(B::LedgerLaned::default(), Probe::open())
+        .build_with_state(H::default(), Probe::open())
         .unwrap();
     worker.state().pause();
     let run = Running::start(&worker);
@@ -249,6 +264,7 @@ async fn a_slot_collects_while_its_batch_runs<B: TestBackend>() {
 super::behaviours!(
     partitioned_too;
     a_slot_collects_while_its_batch_runs,
+    a_batch_collects_while_every_connection_is_taken,
     a_batch_waiting_for_more_spends_no_delivery,
     duplicates_inside_one_batch_are_skipped,
     a_failure_mid_batch_is_handled_alone,
