@@ -16,8 +16,7 @@ pub enum Stage {
     Begin,
     /// Inserting the marker.
     Claim,
-    /// Recording when the effect was done (`processed_at`); on PostgreSQL, with the COMMIT sent
-    /// in the same round trip, which the server refused (nothing was committed).
+    /// Recording when the effect was done (`processed_at`).
     Finish,
     /// Committing marker and effect. The result is unknown: redelivery lets the marker decide.
     Commit,

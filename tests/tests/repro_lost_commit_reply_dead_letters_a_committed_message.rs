@@ -17,13 +17,12 @@ async fn lost_commit_reply_is_looked_up<B: TestBackend>() {
     proxy.start(&upstream).await.unwrap();
     let inbox = Inbox::new(B::connect(&url, 2).await);
 
-    // The statement as it travels: PostgreSQL's simple query ends in NUL, and its COMMIT goes
-    // with the marker's finish and a BEGIN the pool's ROLLBACK ends; MySQL's COM_QUERY (0x03)
-    // is the packet's first byte, after its 3-byte length (7) and sequence number (0): BEGIN's
-    // `READ COMMITTED`, and the COMMIT its statement starts with, must not match.
+    // The statement as it travels: PostgreSQL's simple query ends in NUL; MySQL's COM_QUERY
+    // (0x03) is the packet's first byte, after its 3-byte length (7) and sequence number (0):
+    // BEGIN's `READ COMMITTED`, and the COMMIT its statement starts with, must not match.
     proxy.lose_reply_to(match B::BACKEND {
         Backend::MySql => b"\x07\x00\x00\x00\x03COMMIT",
-        _ => b"COMMIT; BEGIN\0",
+        _ => b"COMMIT\0",
     });
     let probe = Probe::open();
     let outcome = inbox

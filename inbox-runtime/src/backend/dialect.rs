@@ -163,19 +163,6 @@ pub trait Backend: sqlx::Database + Generic {
         None
     }
 
-    /// The marker `id`'s finish (as `InboxStatements::finish`, with `hash`) and COMMIT, sent in
-    /// one round trip, where the dialect saves one that way; `None` otherwise. The statement fails with [`Backend::MARKER_GONE`] rather than
-    /// commit when the marker is gone (the handler ended the transaction or deleted it), fails
-    /// as the finish does when the transaction is aborted, and leaves an empty transaction
-    /// open after the COMMIT: sqlx still counts the one it began, and the ROLLBACK it queues on
-    /// drop then ends that one (in the pool's own check on release) rather than being refused.
-    fn finish_and_commit_sql(_table: &TableName, _id: i64, _hash: Option<&str>) -> Option<SqlStr> {
-        None
-    }
-
-    /// The SQLSTATE [`Backend::finish_and_commit_sql`] fails with when the marker is gone.
-    const MARKER_GONE: &'static str = "22012";
-
     /// Where [`Backend::statement_timeout_sql`] may not bound a server's statements (MySQL: the
     /// bound is MariaDB's alone), the id of `conn`'s session when the server of `cut` needs it
     /// killed should a try on `conn` be cut at its deadline (`backend::Beginning`,

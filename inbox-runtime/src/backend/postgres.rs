@@ -130,18 +130,6 @@ impl Backend for Postgres {
         Some(format!("SET LOCAL statement_timeout = {ms}"))
     }
 
-    fn finish_and_commit_sql(table: &TableName, id: i64, hash: Option<&str>) -> Option<SqlStr> {
-        // A batch's finish of one marker. One simple query: a failing statement skips the rest
-        // (COMMIT included). No marker updated is a division by zero (MARKER_GONE), so that
-        // nothing commits without it.
-        let finish = super::statements::finish_many_sql::<Self>(table, &[id], &[hash]);
-        let sql = format!(
-            "WITH finished AS ({} RETURNING 1) SELECT 1 / count(*) FROM finished; COMMIT; BEGIN",
-            finish.as_str()
-        );
-        Some(AssertSqlSafe(sql).into_sql_str())
-    }
-
     fn downcast_database_error<'e>(
         err: &'e (dyn std::error::Error + 'static),
     ) -> Option<&'e dyn sqlx::error::DatabaseError> {
