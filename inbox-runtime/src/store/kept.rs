@@ -2,8 +2,7 @@
 //! to the pool after its COMMIT: sqlx checks a released connection with a round trip of its own
 //! (a `Sync` on PostgreSQL, `COM_PING` on MySQL, a call to SQLite's thread), on a task of its
 //! own, before anyone may have it again: a round trip per message that a kept connection does not
-//! pay. On PostgreSQL the ROLLBACK that ends the empty transaction left by the fused
-//! finish+COMMIT (`Backend::finish_and_commit_sql`) then goes in one write with the next BEGIN.
+//! pay.
 //!
 //! Only a try that ended cleanly (committed, or a duplicate rolled back) keeps its connection.
 //! One unused for [`IDLE`] goes back to the pool (the worker's upkeep calls
