@@ -24,6 +24,9 @@ pub struct Run {
     pub consumer_cpu_us: f64,
     /// nats-server's CPU time per message (none for the loop, which has no NATS).
     pub nats_cpu_us: Option<f64>,
+    /// The database server's CPU time per message, all its processes together (none for
+    /// SQLite, which runs in the consumer's process).
+    pub db_cpu_us: Option<f64>,
     /// The largest peak RSS of the consumer processes.
     pub peak_rss_mib: f64,
     /// The loop's median claim time.
@@ -39,12 +42,14 @@ pub struct Run {
 pub fn summary(run: &Run) -> String {
     let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{:.1} ms", v / 1000.0));
     format!(
-        "{:.0} msg/s, p50 {}, p99 {}, consumer {:.0} us/msg, nats-server {}, peak RSS {:.1} MiB, deadlocks {}, conflicts/retries {}{}",
+        "{:.0} msg/s, p50 {}, p99 {}, consumer {:.0} us/msg, nats-server {}, database {}, peak RSS {:.1} MiB, deadlocks {}, conflicts/retries {}{}",
         run.msgs_per_s,
         ms(run.latency_p50_us),
         ms(run.latency_p99_us),
         run.consumer_cpu_us,
         run.nats_cpu_us
+            .map_or("-".to_owned(), |c| format!("{c:.0} us/msg")),
+        run.db_cpu_us
             .map_or("-".to_owned(), |c| format!("{c:.0} us/msg")),
         run.peak_rss_mib,
         run.deadlocks.map_or("-".to_owned(), |d| d.to_string()),
@@ -89,6 +94,34 @@ pub fn usage(pid: u32, tick: f64) -> Result<Usage, String> {
     })
 }
 
+/// The CPU time, in seconds, of every process whose name (`/proc/<pid>/comm`) is one of
+/// `names`: a database server's, all its processes (PostgreSQL's backends) together. A process
+/// that ends while the list is read is left out; one that ended during a run takes its CPU time
+/// with it, so the figure is a floor (the contenders' connections live for the whole run).
+pub fn server_cpu(names: &[&str], tick: f64) -> Result<f64, String> {
+    let proc = std::fs::read_dir("/proc").map_err(|e| format!("/proc: {e}"))?;
+    let mut cpu = 0.0;
+    for entry in proc.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(comm) = std::fs::read_to_string(format!("/proc/{pid}/comm")) else {
+            continue;
+        };
+        if names.contains(&comm.trim_end()) {
+            // Gone since listed: left out.
+            if let Ok(u) = usage(pid, tick) {
+                cpu += u.cpu_s;
+            }
+        }
+    }
+    Ok(cpu)
+}
+
 /// Clock ticks per second, the unit of `/proc/<pid>/stat`'s CPU times.
 pub fn clock_tick() -> Result<f64, String> {
     let out = std::process::Command::new("getconf")
@@ -131,6 +164,20 @@ mod tests {
         assert_eq!(percentiles(v), (51.0, 99.0));
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0]), 2.5);
+    }
+
+    #[test]
+    fn server_cpu_counts_the_named_processes() {
+        let tick = clock_tick().unwrap();
+        let comm = std::fs::read_to_string("/proc/self/comm").unwrap();
+        // This test's own thread busy for a while: its process is counted, nothing else is.
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_millis(50) {
+            std::hint::black_box(start.elapsed());
+        }
+        let mine = server_cpu(&[comm.trim_end()], tick).unwrap();
+        assert!(mine > 0.0, "{comm:?} used no CPU");
+        assert_eq!(server_cpu(&["no-such-process-name"], tick).unwrap(), 0.0);
     }
 
     #[test]

@@ -49,6 +49,7 @@ pub fn backend_report(
                         "latency_p99_us": med(c, &|r| r.latency_p99_us),
                         "consumer_cpu_us_per_msg": med(c, &|r| Some(r.consumer_cpu_us)),
                         "nats_cpu_us_per_msg": med(c, &|r| r.nats_cpu_us),
+                        "db_cpu_us_per_msg": med(c, &|r| r.db_cpu_us),
                         "peak_rss_mib": med(c, &|r| Some(r.peak_rss_mib)),
                         "deadlocks": sum(c, &|r| r.deadlocks),
                         "conflicts": sum(c, &|r| r.conflicts.map(|(c, _)| c)),
@@ -77,6 +78,7 @@ pub fn backend_report(
                 "latency_p99_us": r.latency_p99_us,
                 "consumer_cpu_us_per_msg": r.consumer_cpu_us,
                 "nats_cpu_us_per_msg": r.nats_cpu_us,
+                "db_cpu_us_per_msg": r.db_cpu_us,
                 "peak_rss_mib": r.peak_rss_mib,
                 "deadlocks": r.deadlocks,
                 "conflicts": r.conflicts.map(|(c, _)| c),
@@ -139,8 +141,8 @@ pub fn table(results: &Value) -> String {
             results["batch"],
             results["rounds"]
         );
-        out += "| workload | processes | contender | msgs/s | x loop | x hand-written | p50 ms | p99 ms | consumer CPU us/msg | nats-server CPU us/msg | peak RSS MiB | deadlocks | conflicts / retries |\n";
-        out += "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
+        out += "| workload | processes | contender | msgs/s | x loop | x hand-written | p50 ms | p99 ms | consumer CPU us/msg | nats-server CPU us/msg | database CPU us/msg | peak RSS MiB | deadlocks | conflicts / retries |\n";
+        out += "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";
         for g in b["groups"].as_array().into_iter().flatten() {
             for c in g["contenders"].as_array().into_iter().flatten() {
                 let conflicts = match (c["conflicts"].as_u64(), c["batch_retries"].as_u64()) {
@@ -148,7 +150,7 @@ pub fn table(results: &Value) -> String {
                     _ => "-".to_owned(),
                 };
                 out += &format!(
-                    "| {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+                    "| {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
                     g["workload"].as_str().unwrap_or(""),
                     g["accounts"],
                     g["processes"],
@@ -160,6 +162,7 @@ pub fn table(results: &Value) -> String {
                     ms(&c["latency_p99_us"]),
                     n(&c["consumer_cpu_us_per_msg"], 0),
                     n(&c["nats_cpu_us_per_msg"], 0),
+                    n(&c["db_cpu_us_per_msg"], 0),
                     n(&c["peak_rss_mib"], 1),
                     c["deadlocks"]
                         .as_u64()

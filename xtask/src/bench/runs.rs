@@ -1,7 +1,7 @@
 //! The contenders' runs: building them, running each on a fresh database (the loop alone, the
 //! consumers on a backlog and then paced messages), and checking every credit applied once.
 
-use super::measure::{Run, Usage, percentiles, usage};
+use super::measure::{Run, Usage, percentiles, server_cpu, usage};
 use super::options::{Contender, Options, Workload};
 use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::StreamExt;
@@ -59,6 +59,18 @@ pub struct Shape {
     pub round: usize,
 }
 
+/// The CPU time of `backend`'s server so far, all its processes together, in seconds; `None`
+/// for SQLite, which runs inside the contender. The server is the machine's: what else it
+/// serves meanwhile counts too (nothing, while the bench runs alone).
+fn db_cpu(backend: Backend, tick: f64) -> Result<Option<f64>, String> {
+    let names: &[&str] = match backend {
+        Backend::Postgres => &["postgres"],
+        Backend::MySql => &["mariadbd", "mysqld"],
+        Backend::Sqlite => return Ok(None),
+    };
+    server_cpu(names, tick).map(Some)
+}
+
 /// Contender 1, also run at several inbox sizes (`rows` markers loaded first).
 pub async fn loop_run(
     options: &Options,
@@ -90,8 +102,10 @@ pub async fn loop_run(
         let mut lines = BufReader::new(child.stdout.take().expect("piped")).lines();
         expect_line(&mut lines, "ready").await?;
         let before = usage(pid, tick)?;
+        let db_before = db_cpu(backend, tick)?;
         let done = expect_line(&mut lines, "done ").await?;
         let after = usage(pid, tick)?;
+        let db_after = db_cpu(backend, tick)?;
         drop(child.stdin.take());
         let _ = child.wait().await;
         let done: Value = serde_json::from_str(&done).map_err(|e| format!("{done}: {e}"))?;
@@ -111,6 +125,7 @@ pub async fn loop_run(
             latency_p99_us: Some(field("latency_p99_us")?),
             consumer_cpu_us: (after.cpu_s - before.cpu_s) * 1e6 / n,
             nats_cpu_us: None,
+            db_cpu_us: db_after.zip(db_before).map(|(a, b)| (a - b) * 1e6 / n),
             peak_rss_mib: after.peak_rss_mib,
             claim_p50_us: Some(field("claim_p50_us")?),
             deadlocks: None,
@@ -357,7 +372,7 @@ pub async fn consumer_run(
                     Instant::now(),
                     info.ack_floor.stream_sequence,
                     all(&pids)?,
-                    usage(nats_pid, tick)?,
+                    (usage(nats_pid, tick)?, db_cpu(backend, tick)?),
                 );
             }
             if started.elapsed() > DEADLINE || exited(&mut children) {
@@ -370,7 +385,11 @@ pub async fn consumer_run(
         let (t1, me1, server1) = loop {
             let info = consumer.info().await.map_err(|e| e.to_string())?;
             if info.num_pending == 0 && info.num_ack_pending == 0 && relayed.all().await? {
-                break (Instant::now(), all(&pids)?, usage(nats_pid, tick)?);
+                break (
+                    Instant::now(),
+                    all(&pids)?,
+                    (usage(nats_pid, tick)?, db_cpu(backend, tick)?),
+                );
             }
             if t0.elapsed() > DEADLINE || exited(&mut children) {
                 return Err(format!("not drained: {info:?}"));
@@ -415,7 +434,11 @@ pub async fn consumer_run(
             latency_p50_us: p50,
             latency_p99_us: p99,
             consumer_cpu_us: (me1.cpu_s - me0.cpu_s) * 1e6 / drained,
-            nats_cpu_us: Some((server1.cpu_s - server0.cpu_s) * 1e6 / drained),
+            nats_cpu_us: Some((server1.0.cpu_s - server0.0.cpu_s) * 1e6 / drained),
+            db_cpu_us: server1
+                .1
+                .zip(server0.1)
+                .map(|(a, b)| (a - b) * 1e6 / drained),
             peak_rss_mib: me1.peak_rss_mib,
             claim_p50_us: None,
             deadlocks: None,
