@@ -119,11 +119,10 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// Finishes the marker `id` (a prepared statement), then commits `tx`. `Ok(Err(_))`: COMMIT
     /// failed, and whether it committed is unknown.
     ///
-    /// Two round trips, not one: on PostgreSQL the finish and COMMIT sent as one simple query
-    /// (tried in e9ec34a) saved the round trip but cost the server more than it saved, its
-    /// statement parsed and planned afresh for every message and an empty transaction begun after
-    /// it for the ROLLBACK sqlx queues; measured with `credit`, 390 against 250-300 us of
-    /// PostgreSQL's CPU per message, and 25% fewer messages a second on 2 cores.
+    /// Two round trips, not one: the finish and COMMIT sent as one simple query (PostgreSQL,
+    /// until the commit that brought this back) saved a round trip but cost the server more
+    /// CPU than it saved, the statement parsed and planned afresh for every message and an
+    /// empty transaction begun after it for the ROLLBACK sqlx queues (README, Performance).
     async fn finish_and_commit(
         &self,
         mut tx: Transaction<'_, DB>,

@@ -71,6 +71,11 @@ fn db_cpu(backend: Backend, tick: f64) -> Result<Option<f64>, String> {
     server_cpu(names, tick).map(Some)
 }
 
+/// CPU seconds spent between `before` and `after`, in microseconds per message of `n`.
+fn per_message(before: Option<f64>, after: Option<f64>, n: f64) -> Option<f64> {
+    Some((after? - before?) * 1e6 / n)
+}
+
 /// Contender 1, also run at several inbox sizes (`rows` markers loaded first).
 pub async fn loop_run(
     options: &Options,
@@ -125,7 +130,7 @@ pub async fn loop_run(
             latency_p99_us: Some(field("latency_p99_us")?),
             consumer_cpu_us: (after.cpu_s - before.cpu_s) * 1e6 / n,
             nats_cpu_us: None,
-            db_cpu_us: db_after.zip(db_before).map(|(a, b)| (a - b) * 1e6 / n),
+            db_cpu_us: per_message(db_before, db_after, n),
             peak_rss_mib: after.peak_rss_mib,
             claim_p50_us: Some(field("claim_p50_us")?),
             deadlocks: None,
@@ -358,6 +363,10 @@ pub async fn consumer_run(
             }
             Ok(sum)
         };
+        // The servers' CPU time so far: nats-server's, and the database's (none for SQLite).
+        let servers = || -> Result<(f64, Option<f64>), String> {
+            Ok((usage(nats_pid, tick)?.cpu_s, db_cpu(backend, tick)?))
+        };
         let exited = |children: &mut Vec<Child>| {
             children
                 .iter_mut()
@@ -365,14 +374,14 @@ pub async fn consumer_run(
         };
         // The drain starts at the first delivery and ends when nothing is pending or unacked.
         let started = Instant::now();
-        let (t0, acked0, me0, server0) = loop {
+        let (t0, acked0, me0, (nats0, db0)) = loop {
             let info = consumer.info().await.map_err(|e| e.to_string())?;
             if info.delivered.consumer_sequence > 0 {
                 break (
                     Instant::now(),
                     info.ack_floor.stream_sequence,
                     all(&pids)?,
-                    (usage(nats_pid, tick)?, db_cpu(backend, tick)?),
+                    servers()?,
                 );
             }
             if started.elapsed() > DEADLINE || exited(&mut children) {
@@ -382,14 +391,10 @@ pub async fn consumer_run(
         };
         // ... and with every outbox row relayed: the relays' work is part of the run.
         let relayed = Relayed::open(backend, &db.url).await?;
-        let (t1, me1, server1) = loop {
+        let (t1, me1, (nats1, db1)) = loop {
             let info = consumer.info().await.map_err(|e| e.to_string())?;
             if info.num_pending == 0 && info.num_ack_pending == 0 && relayed.all().await? {
-                break (
-                    Instant::now(),
-                    all(&pids)?,
-                    (usage(nats_pid, tick)?, db_cpu(backend, tick)?),
-                );
+                break (Instant::now(), all(&pids)?, servers()?);
             }
             if t0.elapsed() > DEADLINE || exited(&mut children) {
                 return Err(format!("not drained: {info:?}"));
@@ -434,11 +439,8 @@ pub async fn consumer_run(
             latency_p50_us: p50,
             latency_p99_us: p99,
             consumer_cpu_us: (me1.cpu_s - me0.cpu_s) * 1e6 / drained,
-            nats_cpu_us: Some((server1.0.cpu_s - server0.0.cpu_s) * 1e6 / drained),
-            db_cpu_us: server1
-                .1
-                .zip(server0.1)
-                .map(|(a, b)| (a - b) * 1e6 / drained),
+            nats_cpu_us: Some((nats1 - nats0) * 1e6 / drained),
+            db_cpu_us: per_message(db0, db1, drained),
             peak_rss_mib: me1.peak_rss_mib,
             claim_p50_us: None,
             deadlocks: None,
