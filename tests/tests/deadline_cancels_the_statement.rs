@@ -14,7 +14,7 @@
 //! MariaDB: the bound a message's transaction leaves on its connection does not cut a later wait
 //! for the fleet's migration lock.
 
-use inbox_runtime::{BoxError, Claim, Handler, Inbox, Worker, WorkerBuilder, idempotent};
+use inbox_runtime::{BoxError, Claim, Handler, Inbox, Tx, Worker, WorkerBuilder, idempotent};
 use inbox_testkit::wait_until;
 use inbox_tests::backends::{TestBackend, TestDb};
 use inbox_tests::handlers::{Entry, Probe};
@@ -24,10 +24,13 @@ use std::time::Duration;
 /// A write of a try waits behind a frozen peer (`frozen`, run in a transaction that never
 /// finishes) when the try is cut at the worker's deadline; the write must end on the server with
 /// it. `waiting` counts the try's writes still waiting; `way` makes the worker's inbox and
-/// `build` the worker from its builder.
+/// `build` the worker from its builder. `kept`: a message of another key is processed first,
+/// one try at a time, so that the cut try runs on the connection that try kept, and begins with
+/// the shorter BEGIN of a kept connection (MySQL: without the COMMIT first).
 async fn a_cut_write_ends_on_the_server<B: TestBackend, H>(
     db: &TestDb<B::Db>,
     nats: &NatsStream,
+    kept: bool,
     frozen: &'static str,
     waiting: impl AsyncFn(&TestDb<B::Db>) -> i64,
     way: impl FnOnce(Inbox<B::Db>) -> Inbox<B::Db>,
@@ -38,17 +41,22 @@ async fn a_cut_write_ends_on_the_server<B: TestBackend, H>(
 {
     let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     let frozen = B::hold_in_transaction(db, frozen).await;
-    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
+    let first = kept.then(|| Entry::new("first", 1, 1).json());
+    nats.publish_all(first.into_iter().chain([Entry::new("k", 1, 1).json()]))
+        .await;
     let pool = B::connect_acquiring(&db.url, 4, Duration::from_millis(500)).await;
-    let worker = build(
-        nats.worker(
+    let builder = nats
+        .worker(
             way(B::inbox(pool).lock_timeout(Duration::from_secs(120))),
             consumer,
         )
         .deadline(Duration::from_secs(2))
         // No second try while the test looks.
-        .nak_delay(Duration::from_secs(120), Duration::from_secs(120)),
-    );
+        .nak_delay(Duration::from_secs(120), Duration::from_secs(120));
+    let worker = build(match kept {
+        true => builder.concurrency(1),
+        false => builder,
+    });
     let run = Running::start(&worker);
     wait_until("the write to wait", Duration::from_secs(20), async || {
         waiting(db).await >= 1
@@ -70,7 +78,7 @@ async fn a_cut_write_ends_on_the_server<B: TestBackend, H>(
     .unwrap_or_else(|e| panic!("{e}: the statement outlived its try"));
     frozen.rollback().await.expect("ROLLBACK");
     let stats = run.stop().await;
-    assert_eq!(stats.acked, 0, "{stats:?}");
+    assert_eq!(stats.acked, u64::from(kept), "{stats:?}");
 }
 
 /// A claim waiting behind a frozen peer's uncommitted marker of the same key, cut at the
@@ -78,11 +86,13 @@ async fn a_cut_write_ends_on_the_server<B: TestBackend, H>(
 async fn a_cut_claim_ends_on_the_server<B: TestBackend>(
     db: &TestDb<B::Db>,
     nats: &NatsStream,
+    kept: bool,
     way: impl FnOnce(Inbox<B::Db>) -> Inbox<B::Db>,
 ) {
     a_cut_write_ends_on_the_server::<B, _>(
         db,
         nats,
+        kept,
         "INSERT INTO inbox (consumer, message_key) VALUES ('ledger', 'k')",
         B::waiting_writers,
         way,
@@ -99,7 +109,7 @@ async fn a_statement_ends_with_its_try<B: TestBackend>() {
     let db = B::create(4).await;
     B::inbox(db.pool.clone()).migrate().await.unwrap();
     let nats = NatsStream::create().await;
-    a_cut_claim_ends_on_the_server::<B>(&db, &nats, |inbox| inbox).await;
+    a_cut_claim_ends_on_the_server::<B>(&db, &nats, false, |inbox| inbox).await;
 
     // A connection that served a message (the only one of its pool) then waits for the
     // migration lock longer than the deadline: a session-wide bound left on it (MariaDB's is
@@ -145,7 +155,19 @@ async fn a_statement_ends_with_its_try<B: TestBackend>() {
         .expect("the migration after the lock was released");
 }
 
-inbox_tests::on_server_backends!(a_statement_ends_with_its_try);
+/// The cut try runs on the connection the try before it kept, and begins with a kept connection's
+/// shorter BEGIN, which must bound its statements as well.
+async fn a_statement_on_a_kept_connection_ends_with_its_try<B: TestBackend>() {
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    a_cut_claim_ends_on_the_server::<B>(&db, &nats, true, |inbox| inbox).await;
+}
+
+inbox_tests::on_server_backends!(
+    a_statement_ends_with_its_try,
+    a_statement_on_a_kept_connection_ends_with_its_try
+);
 
 /// MySQL's way on the machine's MariaDB: no statement bound; the cut try's session is killed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -154,7 +176,18 @@ async fn on_mysql_a_cut_try_has_its_session_killed() {
     let db = B::create(4).await;
     B::inbox(db.pool.clone()).migrate().await.unwrap();
     let nats = NatsStream::create().await;
-    a_cut_claim_ends_on_the_server::<B>(&db, &nats, Inbox::kill_cut_sessions).await;
+    a_cut_claim_ends_on_the_server::<B>(&db, &nats, false, Inbox::kill_cut_sessions).await;
+}
+
+/// As above, the cut try on the connection the try before it kept: armed with the session's id
+/// it kept with the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mysql_a_cut_try_on_a_kept_connection_has_its_session_killed() {
+    type B = inbox_tests::backends::MySql;
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    a_cut_claim_ends_on_the_server::<B>(&db, &nats, true, Inbox::kill_cut_sessions).await;
 }
 
 /// The ledger's inserts still running on MariaDB's test database.
@@ -177,6 +210,7 @@ async fn a_cut_ledger_write_ends_on_the_server<H>(
     a_cut_write_ends_on_the_server::<B, H>(
         &db,
         &nats,
+        false,
         "SELECT * FROM ledger FOR UPDATE",
         async |db| B::count(db, LEDGER_WRITES).await,
         Inbox::kill_cut_sessions,
@@ -235,6 +269,7 @@ async fn on_mysql_a_cut_batch_has_its_session_killed() {
     a_cut_write_ends_on_the_server::<B, _>(
         &db,
         &nats,
+        false,
         // Account 1's row, inserted and never committed: the batch's upsert of it waits.
         "INSERT INTO accounts (id, balance) VALUES (1, 0)",
         async |db| {
@@ -249,6 +284,46 @@ async fn on_mysql_a_cut_batch_has_its_session_killed() {
                 .build(<B as TestBackend>::CreditLaned::default())
                 .unwrap()
         },
+    )
+    .await;
+}
+
+/// On MariaDB: appends to the ledger, and for the key `first` first takes its session's statement
+/// bound and lock wait off, as a handler may (`SET SESSION`).
+#[idempotent(consumer = "unbounding", key = msg.key)]
+async fn unbounding(msg: Entry, tx: &mut Tx<'_, sqlx::MySql>) -> Result<(), BoxError> {
+    if msg.key == "first" {
+        sqlx::query(
+            "SET SESSION innodb_lock_wait_timeout = 1000 /*M!100100 , max_statement_time = 0 */",
+        )
+        .execute(&mut **tx)
+        .await?;
+    }
+    sqlx::query("INSERT INTO ledger (msg_key, account, amount) VALUES (?, ?, ?)")
+        .bind(msg.key)
+        .bind(msg.account)
+        .bind(msg.amount)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// A handler took its session's bound off; the cut try after it, on the connection that try
+/// kept, still has its statement bounded: a kept connection's BEGIN sets the bound again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_mariadb_a_kept_connection_is_bounded_again_after_its_handler_unbound_it() {
+    type B = inbox_tests::backends::MySql;
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    let nats = NatsStream::create().await;
+    a_cut_write_ends_on_the_server::<B, _>(
+        &db,
+        &nats,
+        true,
+        "INSERT INTO inbox (consumer, message_key) VALUES ('unbounding', 'k')",
+        B::waiting_writers,
+        |inbox| inbox,
+        |builder| builder.build(unbounding).unwrap(),
     )
     .await;
 }

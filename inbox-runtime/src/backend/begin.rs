@@ -11,14 +11,14 @@
 //! second writer waiting for the lock).
 //!
 //! A try cut at its deadline while a statement runs leaves that statement running on the server,
-//! holding its locks, unless a bound ends it there (`Backend::statement_timeout_sql`). Where no
+//! holding its locks, unless a bound ends it there (`Backend::begin_sql`). Where no
 //! bound exists (MySQL; MariaDB has one), the try's connection is [armed](Beginning::arm) with its
 //! session's id, and dropping it before [`Beginning::settle`] kills that session from a connection
 //! of its own (`Backend::kill_session`) before the connection is let go. A two-phase claim's
 //! transaction, begun from the pool and held by the handler between its calls, is an
 //! [`ArmedTx`], killed the same way if dropped before it is ended.
 
-use super::Backend;
+use super::{Backend, Begin};
 use sqlx::pool::PoolConnection;
 use sqlx::{Pool, SqlStr, Transaction};
 use std::ops::{Deref, DerefMut};
@@ -41,6 +41,10 @@ pub(crate) struct Beginning<DB: Backend> {
     /// The session's id it was armed with, kept once settled: a connection kept for another try
     /// is armed again with it, without asking the server.
     session: Option<u64>,
+    /// A connection kept from a try that ended cleanly, every BEGIN of it answered: no
+    /// transaction is open on it, and its first BEGIN may leave out what guards against one
+    /// (`Begin::again`).
+    kept: bool,
 }
 
 /// Whether the tries of an inbox must have their sessions killed when cut at their deadline:
@@ -95,7 +99,16 @@ impl<DB: Backend> Beginning<DB> {
             unanswered: false,
             kill: None,
             session: None,
+            kept: false,
         }
+    }
+
+    /// A connection kept from a try that ended cleanly, [settled](Beginning::into_settled): its
+    /// first BEGIN is `Begin::again` (see [`Beginning::begin_with`]).
+    pub(crate) fn kept(conn: PoolConnection<DB>) -> Self {
+        let mut conn = Self::new(conn);
+        conn.kept = true;
+        conn
     }
 
     /// Kills the session `id` (this connection's, on the server) from a connection of `pool`'s
@@ -121,27 +134,38 @@ impl<DB: Backend> Beginning<DB> {
         self.conn.take().map(|conn| (conn, self.session))
     }
 
-    /// Begins a transaction on the connection with `sql`, as `sqlx::Connection::begin_with`.
+    /// Begins a transaction on the connection with `begin`, as `sqlx::Connection::begin_with`:
+    /// the first BEGIN on a [kept](Beginning::kept) connection with its shorter form
+    /// (`Begin::again`, where the dialect has one), every other with the whole.
     pub(crate) async fn begin_with(
         &mut self,
-        sql: SqlStr,
+        begin: &Begin,
     ) -> Result<Transaction<'_, DB>, sqlx::Error> {
-        self.begin_maybe_with(Some(sql)).await
+        let sql = match (std::mem::take(&mut self.kept), &begin.again) {
+            (true, Some(again)) => again.clone(),
+            _ => begin.sql.clone(),
+        };
+        let Beginning {
+            conn, unanswered, ..
+        } = self;
+        Self::begin_on(conn, unanswered, Some(sql)).await
     }
 
     /// Begins a transaction on the connection, as `sqlx::Connection::begin`.
     pub(crate) async fn begin(&mut self) -> Result<Transaction<'_, DB>, sqlx::Error> {
-        self.begin_maybe_with(None).await
-    }
-
-    /// Begins with `sql`, or sqlx's own BEGIN, marked unanswered until the answer is read.
-    async fn begin_maybe_with(
-        &mut self,
-        sql: Option<SqlStr>,
-    ) -> Result<Transaction<'_, DB>, sqlx::Error> {
+        self.kept = false;
         let Beginning {
             conn, unanswered, ..
         } = self;
+        Self::begin_on(conn, unanswered, None).await
+    }
+
+    /// Begins with `sql`, or sqlx's own BEGIN, marked unanswered until the answer is read.
+    async fn begin_on<'c>(
+        conn: &'c mut Option<PoolConnection<DB>>,
+        unanswered: &mut bool,
+        sql: Option<SqlStr>,
+    ) -> Result<Transaction<'c, DB>, sqlx::Error> {
         let conn = conn
             .as_mut()
             .expect("a Beginning's connection until it is dropped");

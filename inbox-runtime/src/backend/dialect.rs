@@ -151,19 +151,25 @@ pub trait Backend: sqlx::Database + Generic {
 
     /// The statement that begins a message's transaction, waiting at most `lock_timeout`
     /// for any lock (a twin blocked behind a frozen peer's transaction must not wait for as
-    /// long as TCP keepalive allows).
-    fn begin_sql(lock_timeout: Duration) -> SqlStr;
+    /// long as TCP keepalive allows), and, given a `statement_timeout` (the worker's deadline),
+    /// running no statement longer than that where the dialect can bound every statement: a
+    /// try dropped at its deadline must not leave its statement running, holding its locks and
+    /// its connection. SQLite runs in process; MySQL's `max_execution_time` bounds SELECTs
+    /// only, so its statement bound is MariaDB's alone.
+    fn begin_sql(lock_timeout: Duration, statement_timeout: Option<Duration>) -> SqlStr;
 
-    /// What a message's BEGIN adds so that no statement of its transaction runs longer than
-    /// `timeout` (the worker's deadline): a try dropped at its deadline must not leave its
-    /// statement running, holding its locks and its connection. `None` where the dialect has no
-    /// such bound for every statement (SQLite runs in process; MySQL's `max_execution_time`
-    /// bounds SELECTs only, so its statement bounds MariaDB alone).
-    fn statement_timeout_sql(_timeout: Duration) -> Option<String> {
+    /// The same BEGIN for a connection on which no transaction can be open: one kept from a try
+    /// that ended cleanly, every BEGIN of it answered (`store/kept.rs`). It sets everything
+    /// [`Backend::begin_sql`] sets, and leaves out only what guards against a transaction left
+    /// open. `None` where [`Backend::begin_sql`] has nothing of the kind.
+    fn begin_again_sql(
+        _lock_timeout: Duration,
+        _statement_timeout: Option<Duration>,
+    ) -> Option<SqlStr> {
         None
     }
 
-    /// Where [`Backend::statement_timeout_sql`] may not bound a server's statements (MySQL: the
+    /// Where [`Backend::begin_sql`] may not bound a server's statements (MySQL: the
     /// bound is MariaDB's alone), the id of `conn`'s session when the server of `cut` needs it
     /// killed should a try on `conn` be cut at its deadline (`backend::Beginning`,
     /// `backend::ArmedTx`); `None` where

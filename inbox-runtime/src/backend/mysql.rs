@@ -6,8 +6,8 @@
 //! Inbox transactions run at READ COMMITTED. Under REPEATABLE READ (InnoDB's default) the
 //! business statements take gap and next-key locks on ranges they scan, so concurrent handlers
 //! deadlock far more often; the inbox needs no repeatable reads, since the unique key decides.
-//! The isolation level and the lock wait timeout are set in the same round trip as `START
-//! TRANSACTION`.
+//! The isolation level, the lock wait timeout and MariaDB's statement bound are set in the same
+//! round trip as `START TRANSACTION`.
 
 use super::TableName;
 use super::{Backend, Claimed, Cut, CutSessions};
@@ -170,39 +170,28 @@ impl Backend for MySql {
         "?".to_owned()
     }
 
-    fn begin_sql(lock_timeout: Duration) -> SqlStr {
-        // InnoDB's lock wait timeout is in whole seconds, at least 1. The COMMIT first (a
-        // no-op outside a transaction) ends a transaction that a BEGIN cut on the wire left on
-        // a pooled connection by a path that does not close such a connection
-        // (`backend::Beginning`): whatever ran in it since meant to commit on its own, and
-        // without it `SET TRANSACTION` would be refused (1568) for the connection's life.
-        let secs = lock_timeout.as_secs().max(1);
-        AssertSqlSafe(format!(
-            "COMMIT; SET SESSION innodb_lock_wait_timeout = {secs}; \
-             SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
-        ))
-        .into_sql_str()
+    fn begin_sql(lock_timeout: Duration, statement_timeout: Option<Duration>) -> SqlStr {
+        // The COMMIT first (a no-op outside a transaction) ends a transaction that a BEGIN cut
+        // on the wire left on a pooled connection by a path that does not close such a
+        // connection (`backend::Beginning`): whatever ran in it since meant to commit on its
+        // own, and without it `SET TRANSACTION` would be refused (1568) for the connection's
+        // life.
+        let again = begin_again(lock_timeout, statement_timeout);
+        AssertSqlSafe(format!("COMMIT; {again}")).into_sql_str()
     }
 
-    fn statement_timeout_sql(timeout: Duration) -> Option<String> {
-        // MariaDB's `max_statement_time` bounds every statement, lock waits included (seconds,
-        // fractions allowed). MySQL has no such bound (its `max_execution_time` bounds SELECTs
-        // only; a cut try's session is killed there instead, `session_to_kill`): the executable
-        // comment is MariaDB's alone, and the assignment before it, all MySQL runs, changes
-        // nothing. The setting is the session's: it stays on the connection
-        // (see `RESET_STATEMENT_TIME` for the statements that must not have it).
-        let secs = timeout.as_secs_f64().max(0.001);
-        Some(format!(
-            "SET SESSION innodb_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout \
-             /*M!100100 , max_statement_time = {secs:.3} */"
-        ))
+    fn begin_again_sql(
+        lock_timeout: Duration,
+        statement_timeout: Option<Duration>,
+    ) -> Option<SqlStr> {
+        Some(AssertSqlSafe(begin_again(lock_timeout, statement_timeout)).into_sql_str())
     }
 
     async fn session_to_kill<'a>(
         conn: &'a mut sqlx::MySqlConnection,
         cut: &'a CutSessions,
     ) -> Result<Option<u64>, sqlx::Error> {
-        // MariaDB bounds every statement by the deadline (`statement_timeout_sql`); MySQL has
+        // MariaDB bounds every statement by the deadline (`begin_sql`); MySQL has
         // no such bound, so a cut try's session is killed there, and each try first learns its
         // session's id (one round trip).
         match cut.get() {
@@ -390,9 +379,30 @@ impl Backend for MySql {
     }
 }
 
+/// A message's BEGIN, less the COMMIT of [`Backend::begin_sql`]: three statements in one round
+/// trip. The lock wait (InnoDB's is in whole seconds, at least 1) and MariaDB's
+/// `max_statement_time`, which bounds every statement, lock waits included (seconds, fractions
+/// allowed), are the session's, set again at every BEGIN (a handler may have changed them); the
+/// isolation level is the next transaction's alone. MySQL has no bound for every statement (its
+/// `max_execution_time` bounds SELECTs only; a cut try's session is killed there instead,
+/// `session_to_kill`): the executable comment is MariaDB's alone. The session's bound stays on
+/// the connection (see `RESET_STATEMENT_TIME` for the statements that must not have it).
+fn begin_again(lock_timeout: Duration, statement_timeout: Option<Duration>) -> String {
+    let secs = lock_timeout.as_secs().max(1);
+    let bound = statement_timeout
+        .map(|t| {
+            let secs = t.as_secs_f64().max(0.001);
+            format!(" /*M!100100 , max_statement_time = {secs:.3} */")
+        })
+        .unwrap_or_default();
+    format!(
+        "SET SESSION innodb_lock_wait_timeout = {secs}{bound}; \
+         SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+    )
+}
+
 /// Gives the session back the server's `max_statement_time` (MariaDB), which a message's
-/// transaction set to the worker's deadline ([`Backend::statement_timeout_sql`]); nothing on
-/// MySQL.
+/// transaction set to the worker's deadline ([`Backend::begin_sql`]); nothing on MySQL.
 const RESET_STATEMENT_TIME: &str = "SET SESSION innodb_lock_wait_timeout = \
      @@SESSION.innodb_lock_wait_timeout \
      /*M!100100 , max_statement_time = @@GLOBAL.max_statement_time */";

@@ -118,16 +118,15 @@ impl Backend for Postgres {
     // sqlx rolls back a transaction whose BEGIN was cut.
     const CUT_BEGIN_LEAVES_TRANSACTION: bool = false;
 
-    fn begin_sql(lock_timeout: Duration) -> SqlStr {
-        // In the BEGIN's own round trip; LOCAL ends with the transaction.
-        let ms = lock_timeout.as_millis().max(1);
-        AssertSqlSafe(format!("BEGIN; SET LOCAL lock_timeout = {ms}")).into_sql_str()
-    }
-
-    fn statement_timeout_sql(timeout: Duration) -> Option<String> {
-        // At most i32::MAX ms; 0 would mean no limit.
-        let ms = timeout.as_millis().clamp(1, i32::MAX as u128);
-        Some(format!("SET LOCAL statement_timeout = {ms}"))
+    fn begin_sql(lock_timeout: Duration, statement_timeout: Option<Duration>) -> SqlStr {
+        // In the BEGIN's own round trip; LOCAL ends with the transaction. At most i32::MAX ms;
+        // 0 would mean no limit.
+        let ms = |d: Duration| d.as_millis().clamp(1, i32::MAX as u128);
+        let mut sql = format!("BEGIN; SET LOCAL lock_timeout = {}", ms(lock_timeout));
+        if let Some(timeout) = statement_timeout {
+            sql.push_str(&format!("; SET LOCAL statement_timeout = {}", ms(timeout)));
+        }
+        AssertSqlSafe(sql).into_sql_str()
     }
 
     fn downcast_database_error<'e>(

@@ -163,7 +163,7 @@ impl Backend for Sqlite {
     // sqlx rolls back a transaction whose BEGIN was cut.
     const CUT_BEGIN_LEAVES_TRANSACTION: bool = false;
 
-    fn begin_sql(_lock_timeout: Duration) -> SqlStr {
+    fn begin_sql(_lock_timeout: Duration, _statement_timeout: Option<Duration>) -> SqlStr {
         // The only lock is the database's write lock, and a connection waits for it as long as
         // its busy timeout (`sqlite_options`: 30 s), then fails with SQLITE_BUSY.
         SqlStr::from_static("BEGIN IMMEDIATE")

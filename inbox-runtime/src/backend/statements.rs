@@ -22,12 +22,12 @@ pub(crate) struct InboxStatements {
     /// COMMIT whose reply was lost, whether the effect is done).
     pub done: SqlStr,
     /// See `Backend::begin_sql`.
-    pub begin: SqlStr,
+    pub begin: Begin,
     /// BEGIN for a batch of a handler without lanes, whose lock waits may be a deadlock's:
     /// waits at most [`UNLANED_LOCK_WAIT`] (or the inbox's lock timeout, when shorter), so that
     /// a deadlock ends in that time rather than PostgreSQL's `deadlock_timeout` (1 s), and the
     /// batch is tried again.
-    pub begin_unlaned: SqlStr,
+    pub begin_unlaned: Begin,
     /// Binds consumer, headers (JSON), payload: parks a dead letter in `<table>_dead_letters`.
     pub park: SqlStr,
     /// Binds consumer: the oldest parked letters (id, headers, payload).
@@ -142,6 +142,33 @@ impl ClaimStatements {
     }
 }
 
+/// A transaction's BEGIN ([`Backend::begin_sql`](super::Backend::begin_sql)), and the shorter
+/// one for a connection on which no transaction can be open
+/// ([`Backend::begin_again_sql`](super::Backend::begin_again_sql)); see `Beginning::begin_with`.
+#[derive(Debug, Clone)]
+pub(crate) struct Begin {
+    /// Begins on any connection.
+    pub sql: SqlStr,
+    /// Begins on a connection kept from a try that ended cleanly; `None`: `sql` there too.
+    pub again: Option<SqlStr>,
+    lock_timeout: Duration,
+}
+
+impl Begin {
+    /// The BEGIN of transactions that wait at most `lock_timeout` for a lock, and, given a
+    /// `statement_timeout`, run no statement longer where the dialect can bound them.
+    pub(crate) fn new<DB: super::Backend>(
+        lock_timeout: Duration,
+        statement_timeout: Option<Duration>,
+    ) -> Self {
+        Begin {
+            sql: DB::begin_sql(lock_timeout, statement_timeout),
+            again: DB::begin_again_sql(lock_timeout, statement_timeout),
+            lock_timeout,
+        }
+    }
+}
+
 /// The longest lock wait of a batch without lanes (see `InboxStatements::begin_unlaned`).
 pub(crate) const UNLANED_LOCK_WAIT: Duration = Duration::from_millis(200);
 
@@ -150,12 +177,10 @@ const PARKED_BYTES: u64 = 16 * 1024 * 1024;
 
 impl InboxStatements {
     /// Bounds every statement of a message's transaction by `timeout`, where the dialect can
-    /// ([`Backend::statement_timeout_sql`](super::Backend::statement_timeout_sql)).
+    /// ([`Backend::begin_sql`](super::Backend::begin_sql)).
     pub(crate) fn bound_statements<DB: InboxBackend>(&mut self, timeout: Duration) {
-        if let Some(bound) = DB::statement_timeout_sql(timeout) {
-            for begin in [&mut self.begin, &mut self.begin_unlaned] {
-                *begin = sql(format!("{}; {bound}", begin.as_str()));
-            }
+        for begin in [&mut self.begin, &mut self.begin_unlaned] {
+            *begin = Begin::new::<DB>(begin.lock_timeout, Some(timeout));
         }
     }
 
@@ -165,8 +190,8 @@ impl InboxStatements {
         lock_timeout: Duration,
     ) -> Self {
         InboxStatements {
-            begin: DB::begin_sql(lock_timeout),
-            begin_unlaned: DB::begin_sql(lock_timeout.min(UNLANED_LOCK_WAIT)),
+            begin: Begin::new::<DB>(lock_timeout, None),
+            begin_unlaned: Begin::new::<DB>(lock_timeout.min(UNLANED_LOCK_WAIT), None),
             park: sql(format!(
                 "INSERT INTO {table}_dead_letters (consumer, headers, payload) VALUES ({}, {}, {})",
                 DB::param(1),

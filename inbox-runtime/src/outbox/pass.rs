@@ -21,7 +21,8 @@ use super::statements::OutboxStatements;
 use super::streams::Checks;
 use crate::backend::fleet::{FleetLock, delete_in_batches};
 use crate::backend::{
-    Beginning, DEFAULT_LOCK_TIMEOUT, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns,
+    Begin, Beginning, DEFAULT_LOCK_TIMEOUT, DeleteBatch, IdSize, InboxBackend, OutboxRow,
+    RelayTurns,
 };
 use crate::classify::close_if_read_only;
 use async_nats::jetstream::context::PublishErrorKind;
@@ -102,7 +103,9 @@ impl<DB: InboxBackend> Relay<DB> {
         }
         let mut conn = Beginning::new(pool.acquire().await?);
         let passed = async {
-            let mut tx = conn.begin_with(DB::begin_sql(DEFAULT_LOCK_TIMEOUT)).await?;
+            let mut tx = conn
+                .begin_with(&Begin::new::<DB>(DEFAULT_LOCK_TIMEOUT, None))
+                .await?;
             let sizes = DB::outbox_sizes(&mut *tx, fetch, &blocked, limit).await?;
             if sizes.is_empty() {
                 tx.commit().await?;

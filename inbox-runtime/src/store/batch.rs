@@ -20,7 +20,7 @@
 //! transaction, and is a Skip.
 
 use super::Inbox;
-use crate::backend::{self, Beginning, Claimed, InboxBackend};
+use crate::backend::{self, Begin, Beginning, Claimed, InboxBackend};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome};
@@ -466,10 +466,10 @@ impl<DB: InboxBackend> Inbox<DB> {
 
     /// A batch's BEGIN: with lanes, batches wait for each other's rows as long as the lock
     /// timeout allows (they cannot deadlock); without, briefly (a wait may be a deadlock's).
-    fn begin_batch<H: Handler<Db = DB>>(&self) -> sqlx::SqlStr {
+    fn begin_batch<H: Handler<Db = DB>>(&self) -> &Begin {
         match H::LANED {
-            true => self.sql.begin.clone(),
-            false => self.sql.begin_unlaned.clone(),
+            true => &self.sql.begin,
+            false => &self.sql.begin_unlaned,
         }
     }
 }

@@ -176,14 +176,13 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// try be cut: call [`Beginning::settle`] once the try has ended, then
     /// [`Inbox::keep_connection`] if it ended cleanly.
     pub(crate) async fn try_connection(&self) -> Result<TryConnection<DB>, sqlx::Error> {
-        let (conn, session, lease) = match self.kept.as_ref().and_then(|k| k.take()) {
-            Some((conn, session, lease)) => (conn, session, Some(lease)),
+        let (mut conn, session, lease) = match self.kept.as_ref().and_then(|k| k.take()) {
+            Some((conn, session, lease)) => (Beginning::kept(conn), session, Some(lease)),
             None => {
                 let lease = self.kept.as_ref().map(|k| k.lease());
-                (self.pool.acquire().await?, None, lease)
+                (Beginning::new(self.pool.acquire().await?), None, lease)
             }
         };
-        let mut conn = Beginning::new(conn);
         let session = match session {
             Some(id) => Some(id),
             None => DB::session_to_kill(&mut conn, &self.cut).await?,

@@ -75,10 +75,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         // for the pool's check, not for the next try.
         let mut rolled_back = true;
         let done = async {
-            let mut tx = conn
-                .begin_with(self.sql.begin.clone())
-                .await
-                .map_err(begin)?;
+            let mut tx = conn.begin_with(&self.sql.begin).await.map_err(begin)?;
             let handled = self
                 .claim_and_handle(&mut tx, handler, state, message, delivery, key)
                 .await;

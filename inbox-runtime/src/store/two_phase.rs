@@ -100,7 +100,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             fence,
             attempt,
             self.pool().clone(),
-            self.sql.begin.clone(),
+            self.sql.begin.sql.clone(),
             self.cut.clone(),
         );
         let renewal = self.keep_renewed(id, fence, lease);
@@ -179,7 +179,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             source,
         };
         let mut tx = conn
-            .begin_with(self.sql.begin.clone())
+            .begin_with(self.sql.begin.sql.clone())
             .await
             .map_err(|source| ProcessError::Database {
                 stage: Stage::Begin,
@@ -302,10 +302,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 let conn = conn.insert(Beginning::new(
                     self.pool().acquire().await.map_err(begin_err)?,
                 ));
-                let mut tx = conn
-                    .begin_with(self.sql.begin.clone())
-                    .await
-                    .map_err(begin_err)?;
+                let mut tx = conn.begin_with(&self.sql.begin).await.map_err(begin_err)?;
                 let done = DB::execute_fenced(&mut *tx, complete, None, id, fence).await;
                 (tx, done)
             }
