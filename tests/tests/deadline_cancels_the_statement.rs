@@ -21,6 +21,13 @@ use inbox_tests::handlers::{Entry, Probe};
 use inbox_tests::{NatsStream, Running};
 use std::time::Duration;
 
+/// A database of `B` with the inbox's tables, and a stream.
+async fn migrated<B: TestBackend>() -> (TestDb<B::Db>, NatsStream) {
+    let db = B::create(4).await;
+    B::inbox(db.pool.clone()).migrate().await.unwrap();
+    (db, NatsStream::create().await)
+}
+
 /// A write of a try waits behind a frozen peer (`frozen`, run in a transaction that never
 /// finishes) when the try is cut at the worker's deadline; the write must end on the server with
 /// it. `waiting` counts the try's writes still waiting; `way` makes the worker's inbox and
@@ -106,9 +113,7 @@ async fn a_cut_claim_ends_on_the_server<B: TestBackend>(
 }
 
 async fn a_statement_ends_with_its_try<B: TestBackend>() {
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+    let (db, nats) = migrated::<B>().await;
     a_cut_claim_ends_on_the_server::<B>(&db, &nats, false, |inbox| inbox).await;
 
     // A connection that served a message (the only one of its pool) then waits for the
@@ -158,9 +163,7 @@ async fn a_statement_ends_with_its_try<B: TestBackend>() {
 /// The cut try runs on the connection the try before it kept, and begins with a kept connection's
 /// shorter BEGIN, which must bound its statements as well.
 async fn a_statement_on_a_kept_connection_ends_with_its_try<B: TestBackend>() {
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+    let (db, nats) = migrated::<B>().await;
     a_cut_claim_ends_on_the_server::<B>(&db, &nats, true, |inbox| inbox).await;
 }
 
@@ -173,9 +176,7 @@ inbox_tests::on_server_backends!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql_a_cut_try_has_its_session_killed() {
     type B = inbox_tests::backends::MySql;
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+    let (db, nats) = migrated::<B>().await;
     a_cut_claim_ends_on_the_server::<B>(&db, &nats, false, Inbox::kill_cut_sessions).await;
 }
 
@@ -184,9 +185,7 @@ async fn on_mysql_a_cut_try_has_its_session_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql_a_cut_try_on_a_kept_connection_has_its_session_killed() {
     type B = inbox_tests::backends::MySql;
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+    let (db, nats) = migrated::<B>().await;
     a_cut_claim_ends_on_the_server::<B>(&db, &nats, true, Inbox::kill_cut_sessions).await;
 }
 
@@ -204,9 +203,7 @@ async fn a_cut_ledger_write_ends_on_the_server<H>(
     H::Message: serde::de::DeserializeOwned,
 {
     type B = inbox_tests::backends::MySql;
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+    let (db, nats) = migrated::<B>().await;
     a_cut_write_ends_on_the_server::<B, H>(
         &db,
         &nats,
@@ -263,9 +260,7 @@ async fn on_mysql_a_failed_claim_cut_in_its_rollback_has_its_session_killed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mysql_a_cut_batch_has_its_session_killed() {
     type B = inbox_tests::backends::MySql;
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+    let (db, nats) = migrated::<B>().await;
     a_cut_write_ends_on_the_server::<B, _>(
         &db,
         &nats,
@@ -313,9 +308,7 @@ async fn unbounding(msg: Entry, tx: &mut Tx<'_, sqlx::MySql>) -> Result<(), BoxE
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_mariadb_a_kept_connection_is_bounded_again_after_its_handler_unbound_it() {
     type B = inbox_tests::backends::MySql;
-    let db = B::create(4).await;
-    B::inbox(db.pool.clone()).migrate().await.unwrap();
-    let nats = NatsStream::create().await;
+    let (db, nats) = migrated::<B>().await;
     a_cut_write_ends_on_the_server::<B, _>(
         &db,
         &nats,
