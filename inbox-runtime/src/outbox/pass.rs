@@ -20,10 +20,7 @@ use super::relay::Relay;
 use super::statements::OutboxStatements;
 use super::streams::Checks;
 use crate::backend::fleet::{FleetLock, delete_in_batches};
-use crate::backend::{
-    Begin, Beginning, DEFAULT_LOCK_TIMEOUT, DeleteBatch, IdSize, InboxBackend, OutboxRow,
-    RelayTurns,
-};
+use crate::backend::{Beginning, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns};
 use crate::classify::close_if_read_only;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
@@ -103,9 +100,7 @@ impl<DB: InboxBackend> Relay<DB> {
         }
         let mut conn = Beginning::new(pool.acquire().await?);
         let passed = async {
-            let mut tx = conn
-                .begin_with(&Begin::new::<DB>(DEFAULT_LOCK_TIMEOUT, None))
-                .await?;
+            let mut tx = conn.begin_with(&sql.begin).await?;
             let sizes = DB::outbox_sizes(&mut *tx, fetch, &blocked, limit).await?;
             if sizes.is_empty() {
                 tx.commit().await?;

@@ -1,6 +1,6 @@
 //! The outbox's SQL, written once per [`Outbox`](super::Outbox).
 
-use crate::backend::{InboxBackend, TableName, stamp_ids_sql};
+use crate::backend::{Begin, DEFAULT_LOCK_TIMEOUT, InboxBackend, TableName, stamp_ids_sql};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 /// The outbox's SQL, written once per [`Outbox`].
@@ -29,6 +29,8 @@ pub(crate) struct OutboxStatements {
     pub(crate) lease: SqlStr,
     /// SQLite: binds owner, seconds (0): ends the owner's lease now, for a relay that stops.
     pub(crate) release: SqlStr,
+    /// A relay pass's BEGIN (its connection is never a kept one: `Begin::sql` alone is sent).
+    pub(crate) begin: Begin,
     /// The table, for statements written per batch.
     pub(crate) table: TableName,
 }
@@ -38,6 +40,7 @@ impl OutboxStatements {
         let p = DB::param;
         let sql = |text: String| AssertSqlSafe(text).into_sql_str();
         OutboxStatements {
+            begin: Begin::new::<DB>(DEFAULT_LOCK_TIMEOUT, None),
             insert: sql(format!(
                 "INSERT INTO {table} (msg_id, subject, order_key, headers, payload) \
                  VALUES ({}, {}, {}, {}, {})",
