@@ -16,7 +16,9 @@ pub enum Stage {
     Begin,
     /// Inserting the marker.
     Claim,
-    /// Recording when the effect was done (`processed_at`).
+    /// After the handler, before COMMIT: checking that the marker is still in the
+    /// transaction (where the claim inserted it finished), or recording when the effect was
+    /// done (`processed_at`, PostgreSQL's partitioned inbox; a batch's markers).
     Finish,
     /// Committing marker and effect. The result is unknown: redelivery lets the marker decide.
     Commit,

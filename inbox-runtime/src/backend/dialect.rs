@@ -73,6 +73,13 @@ pub trait Backend: sqlx::Database + Generic {
     /// [`Backend::claim`]). Only PostgreSQL is ever given [`Layout::Partitioned`].
     fn claim_sql(table: &TableName, layout: &Layout) -> SqlStr;
 
+    /// The claim of a one-phase handler's message, whose marker is inserted finished
+    /// (`processed_at` now, the payload's hash), so that no statement after the handler need
+    /// write it: [`Backend::claim_sql`] binding the hash third, answering alike
+    /// ([`Backend::claim_finished`]). `None` where the layout claims through a function that
+    /// takes no hash (PostgreSQL's partitioned one): the claim, then `InboxStatements::finish`.
+    fn claim_finished_sql(table: &TableName, layout: &Layout) -> Option<SqlStr>;
+
     /// The `n`th bind placeholder (from 1) in this dialect: `$1`, `?` or `?1`.
     fn param(n: usize) -> String;
 
@@ -212,6 +219,19 @@ pub trait Backend: sqlx::Database + Generic {
         key: &'a str,
     ) -> impl Future<Output = Result<Claimed, sqlx::Error>> + Send + 'a {
         let row = Self::fetch_id(&mut **tx, sql, consumer, key);
+        async move { Ok(row.await?.map_or(Claimed::Duplicate, Claimed::New)) }
+    }
+
+    /// [`Backend::claim`] with the statement of [`Backend::claim_finished_sql`], which binds
+    /// the payload's `hash` after consumer and key.
+    fn claim_finished<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+        hash: Option<&'a str>,
+    ) -> impl Future<Output = Result<Claimed, sqlx::Error>> + Send + 'a {
+        let row = Self::fetch_id_hashed(&mut **tx, sql, consumer, key, hash);
         async move { Ok(row.await?.map_or(Claimed::Duplicate, Claimed::New)) }
     }
 

@@ -22,6 +22,22 @@ pub trait Generic: sqlx::Database {
         key: &'a str,
     ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
 
+    /// Runs `sql` with (consumer, key, hash) and returns the id of the row it returns, if any.
+    fn fetch_id_hashed<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+        hash: Option<&'a str>,
+    ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
+
+    /// Runs `sql` binding `id` and returns the count it selects.
+    fn fetch_count<'a>(
+        conn: &'a mut Self::Connection,
+        sql: SqlStr,
+        id: i64,
+    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send + 'a;
+
     /// Runs `sql` with (consumer, key) and returns the claim's state, if it has a row.
     fn fetch_claim_state<'a>(
         conn: &'a mut Self::Connection,
@@ -275,6 +291,32 @@ where
             .bind(consumer)
             .bind(key)
             .fetch_optional(conn)
+            .await
+    }
+
+    async fn fetch_id_hashed<'a>(
+        conn: &'a mut DB::Connection,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+        hash: Option<&'a str>,
+    ) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar::<DB, i64>(sql)
+            .bind(consumer)
+            .bind(key)
+            .bind(hash)
+            .fetch_optional(conn)
+            .await
+    }
+
+    async fn fetch_count(
+        conn: &mut DB::Connection,
+        sql: SqlStr,
+        id: i64,
+    ) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar::<DB, i64>(sql)
+            .bind(id)
+            .fetch_one(conn)
             .await
     }
 

@@ -73,6 +73,17 @@ impl Backend for MySql {
         .into_sql_str()
     }
 
+    fn claim_finished_sql(table: &TableName, _layout: &Layout) -> Option<SqlStr> {
+        Some(
+            AssertSqlSafe(format!(
+                "INSERT INTO {table} (consumer, message_key, processed_at, payload_hash) \
+                 VALUES (?, ?, {}, ?) ON DUPLICATE KEY UPDATE dup_count = dup_count + 1",
+                Self::NOW_SQL
+            ))
+            .into_sql_str(),
+        )
+    }
+
     fn rows_affected(done: &sqlx::mysql::MySqlQueryResult) -> u64 {
         done.rows_affected()
     }
@@ -298,15 +309,23 @@ impl Backend for MySql {
             .bind(key)
             .execute(&mut **tx)
             .await?;
-        match done.rows_affected() {
-            // A new row always has an AUTO_INCREMENT id; 0 would mark the wrong row processed.
-            1 if done.last_insert_id() > 0 => Ok(Claimed::New(done.last_insert_id() as i64)),
-            2 => Ok(Claimed::Duplicate),
-            n => Err(sqlx::Error::Protocol(format!(
-                "the inbox claim affected {n} rows (insert id {}); expected 1 (new) or 2 (duplicate)",
-                done.last_insert_id()
-            ))),
-        }
+        claimed(&done)
+    }
+
+    async fn claim_finished<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        sql: SqlStr,
+        consumer: &'a str,
+        key: &'a str,
+        hash: Option<&'a str>,
+    ) -> Result<Claimed, sqlx::Error> {
+        let done = sqlx::query(sql)
+            .bind(consumer)
+            .bind(key)
+            .bind(hash)
+            .execute(&mut **tx)
+            .await?;
+        claimed(&done)
     }
 
     fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {
@@ -406,6 +425,20 @@ fn begin_again(lock_timeout: Duration, statement_timeout: Option<Duration>) -> S
 const RESET_STATEMENT_TIME: &str = "SET SESSION innodb_lock_wait_timeout = \
      @@SESSION.innodb_lock_wait_timeout \
      /*M!100100 , max_statement_time = @@GLOBAL.max_statement_time */";
+
+/// What a claim's `INSERT .. ON DUPLICATE KEY UPDATE` answered: one row affected for a new
+/// marker, two for a duplicate (whose `dup_count` it raised).
+fn claimed(done: &sqlx::mysql::MySqlQueryResult) -> Result<Claimed, sqlx::Error> {
+    match done.rows_affected() {
+        // A new row always has an AUTO_INCREMENT id; 0 would mark the wrong row processed.
+        1 if done.last_insert_id() > 0 => Ok(Claimed::New(done.last_insert_id() as i64)),
+        2 => Ok(Claimed::Duplicate),
+        n => Err(sqlx::Error::Protocol(format!(
+            "the inbox claim affected {n} rows (insert id {}); expected 1 (new) or 2 (duplicate)",
+            done.last_insert_id()
+        ))),
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -40,6 +40,21 @@ impl Backend for Postgres {
         .into_sql_str()
     }
 
+    fn claim_finished_sql(table: &TableName, layout: &Layout) -> Option<SqlStr> {
+        if let Layout::Partitioned(_) = layout {
+            return None;
+        }
+        Some(
+            AssertSqlSafe(format!(
+                "INSERT INTO {table} (consumer, message_key, processed_at, payload_hash) \
+                 VALUES ($1, $2, {}, $3) \
+                 ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id",
+                Self::NOW_SQL
+            ))
+            .into_sql_str(),
+        )
+    }
+
     fn rows_affected(done: &sqlx::postgres::PgQueryResult) -> u64 {
         done.rows_affected()
     }

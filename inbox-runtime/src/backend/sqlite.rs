@@ -63,6 +63,17 @@ impl Backend for Sqlite {
         .into_sql_str()
     }
 
+    fn claim_finished_sql(table: &TableName, _layout: &Layout) -> Option<SqlStr> {
+        Some(
+            AssertSqlSafe(format!(
+                "INSERT INTO {table} (consumer, message_key, processed_at, payload_hash) \
+                 VALUES (?1, ?2, {NOW}, ?3) \
+                 ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id"
+            ))
+            .into_sql_str(),
+        )
+    }
+
     fn rows_affected(done: &sqlx::sqlite::SqliteQueryResult) -> u64 {
         done.rows_affected()
     }

@@ -11,9 +11,15 @@ use std::time::Duration;
 pub(crate) struct InboxStatements {
     /// Binds consumer and key; see `Backend::claim`.
     pub claim: SqlStr,
+    /// Binds consumer, key and the payload's hash: a one-phase message's claim, its marker
+    /// inserted finished; see `Backend::claim_finished_sql`. `None`: `claim`, then `finish`.
+    pub claim_finished: Option<SqlStr>,
     /// Binds the payload's hash and the marker's id (in that order: MySQL's placeholders are
-    /// positional): sets `processed_at` (and the hash) as the effect commits.
+    /// positional): sets `processed_at` (and the hash) on a marker `claim` inserted.
     pub finish: SqlStr,
+    /// Binds the marker's id: counts it, 1 while the transaction that inserted it is still the
+    /// one its statements run in (see `Inbox::finish`).
+    pub check: SqlStr,
     /// Binds consumer, key: the payload hash the key's marker keeps.
     pub hash: SqlStr,
     /// See `Backend::cleanup_sql`.
@@ -189,6 +195,7 @@ impl InboxStatements {
         layout: &Layout,
         lock_timeout: Duration,
     ) -> Self {
+        let int = |expr: &str| format!("CAST({expr} AS {})", DB::INT64);
         InboxStatements {
             begin: Begin::new::<DB>(lock_timeout, None),
             begin_unlaned: Begin::new::<DB>(lock_timeout.min(UNLANED_LOCK_WAIT), None),
@@ -215,6 +222,12 @@ impl InboxStatements {
             writable: sql(DB::writable_probe_sql(table)),
             inbox_probe: sql(DB::inbox_probe_sql(table)),
             claim: DB::claim_sql(table, layout),
+            claim_finished: DB::claim_finished_sql(table, layout),
+            check: sql(format!(
+                "SELECT {} FROM {table} WHERE id = {}",
+                int("COUNT(*)"),
+                DB::param(1)
+            )),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(
                 "UPDATE {table} SET processed_at = {}, payload_hash = {} WHERE id = {}",

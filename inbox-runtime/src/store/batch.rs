@@ -20,6 +20,7 @@
 //! transaction, and is a Skip.
 
 use super::Inbox;
+use super::process::Marker;
 use crate::backend::{self, Begin, Beginning, Claimed, InboxBackend};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
@@ -396,7 +397,11 @@ impl<DB: InboxBackend> Inbox<DB> {
                     .await
                     .map_err(|e| ProcessError::Handler(e.into()))?;
                 // As for one message: the marker must still be there to be finished.
-                self.finish(&mut savepoint, id, keys[i], delivery).await
+                let marker = Marker {
+                    id,
+                    finished: false,
+                };
+                self.finish(&mut savepoint, marker, keys[i], delivery).await
             };
             let processed = AssertUnwindSafe(one).catch_unwind().await;
             let kept = match processed {

@@ -29,8 +29,9 @@ use std::time::Duration;
 
 /// The inbox over one database pool and table. Cheap to clone.
 ///
-/// Each message costs exactly BEGIN, the claim, the handler's statements, the marker's
-/// `processed_at` and COMMIT. Build the
+/// Each message costs exactly BEGIN, the claim (which inserts the marker finished), the
+/// handler's statements, a lookup of the marker by id (the handler's statements ran in the
+/// transaction that holds it) and COMMIT. Build the
 /// pool with `test_before_acquire(false)`: sqlx otherwise pings the server on every acquire, an
 /// extra round trip per message; a dead connection fails at BEGIN and the message is retried.
 /// A worker's tries also keep their connection from one message to the next, which spares the

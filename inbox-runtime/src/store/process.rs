@@ -1,6 +1,6 @@
-//! Where a duplicate is decided: one transaction per message (BEGIN, the claim, the handler's
-//! statements, the marker's `processed_at`, COMMIT), and the marker lookup after a COMMIT whose
-//! reply was lost.
+//! Where a duplicate is decided: one transaction per message (BEGIN, the claim inserting the
+//! marker finished, the handler's statements, the check that the marker is still there,
+//! COMMIT), and the marker lookup after a COMMIT whose reply was lost.
 
 use super::Inbox;
 use crate::backend::{Claimed, InboxBackend};
@@ -80,7 +80,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .claim_and_handle(&mut tx, handler, state, message, delivery, key)
                 .await;
             match handled {
-                Ok(Some(id)) => self.finish_and_commit(tx, id, key, delivery).await,
+                Ok(Some(marker)) => self.finish_and_commit(tx, marker, key, delivery).await,
                 other => {
                     // A duplicate wrote nothing and a failure must leave nothing.
                     rolled_back = roll_back(tx).await;
@@ -113,7 +113,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
-    /// Finishes the marker `id` (a prepared statement), then commits `tx`. `Ok(Err(_))`: COMMIT
+    /// Finishes `marker` (a prepared statement), then commits `tx`. `Ok(Err(_))`: COMMIT
     /// failed, and whether it committed is unknown.
     ///
     /// Two round trips, not one: the finish and COMMIT sent as one simple query (PostgreSQL,
@@ -123,11 +123,11 @@ impl<DB: InboxBackend> Inbox<DB> {
     async fn finish_and_commit(
         &self,
         mut tx: Transaction<'_, DB>,
-        id: i64,
+        marker: Marker,
         key: &str,
         delivery: &Delivery,
     ) -> Result<Result<Outcome, sqlx::Error>, ProcessError> {
-        if let Err(e) = self.finish(&mut tx, id, key, delivery).await {
+        if let Err(e) = self.finish(&mut tx, marker, key, delivery).await {
             roll_back(tx).await;
             return Err(e);
         }
@@ -185,19 +185,18 @@ impl<DB: InboxBackend> Inbox<DB> {
         delivery: &Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
-        let Some(id) = self
+        let Some(marker) = self
             .claim_and_handle(tx, handler, state, message, delivery, key)
             .await?
         else {
             return Ok(Outcome::Skip);
         };
-        // processed_at says when the effect was done; it commits with the effect or not at all.
-        self.finish(tx, id, key, delivery).await?;
+        self.finish(tx, marker, key, delivery).await?;
         Ok(Outcome::Ack)
     }
 
-    /// [`Inbox::process_in`] up to the finish: the claimed marker's id once the handler ran,
-    /// `None` for a duplicate.
+    /// [`Inbox::process_in`] up to the finish: the claimed marker once the handler ran, `None`
+    /// for a duplicate.
     async fn claim_and_handle<'c, H: Handler<Db = DB>>(
         &self,
         tx: &mut Transaction<'c, DB>,
@@ -206,16 +205,25 @@ impl<DB: InboxBackend> Inbox<DB> {
         message: H::Message,
         delivery: &Delivery,
         key: &str,
-    ) -> Result<Option<i64>, ProcessError> {
+    ) -> Result<Option<Marker>, ProcessError> {
         if H::TWO_PHASE {
             return Err(ProcessError::TwoPhaseInTransaction(H::CONSUMER));
         }
-        let claim = DB::claim(tx, self.sql.claim.clone(), H::CONSUMER, key)
-            .await
-            .map_err(|source| ProcessError::Database {
-                stage: Stage::Claim,
-                source,
-            })?;
+        let hash = delivery.payload_hash.as_deref();
+        let (claim, finished) = match &self.sql.claim_finished {
+            Some(sql) => (
+                DB::claim_finished(tx, sql.clone(), H::CONSUMER, key, hash).await,
+                true,
+            ),
+            None => (
+                DB::claim(tx, self.sql.claim.clone(), H::CONSUMER, key).await,
+                false,
+            ),
+        };
+        let claim = claim.map_err(|source| ProcessError::Database {
+            stage: Stage::Claim,
+            source,
+        })?;
         let Claimed::New(id) = claim else {
             // A duplicate; one with another payload than the key's first is key reuse.
             if let Some(reused) = self.key_reused(tx, H::CONSUMER, key, delivery).await {
@@ -230,7 +238,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             .handle(message, delivery, tx, state)
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
-        Ok(Some(id))
+        Ok(Some(Marker { id, finished }))
     }
 
     /// Whether the duplicate `key` of `delivery` came with another payload than the one the key
@@ -280,35 +288,50 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
-    /// Sets `processed_at` on the marker `id` this transaction claimed. The marker must still be
-    /// there: a handler that swallowed an error of an aborted transaction (PostgreSQL), or a
-    /// transaction a swallowed deadlock rolled back (MySQL), fails here, and is never committed
-    /// as if it were done. The aborted transaction is a database error, redelivered; the
-    /// rolled-back one is [`ProcessError::TransactionEnded`], permanent, since the statements
-    /// the handler ran after the rollback committed on their own.
+    /// Ends the handler's part of `marker`'s transaction: a marker the claim inserted finished
+    /// is looked up by id, any other gets its `processed_at` (and the payload's hash). Either
+    /// way the marker must still be there: a handler that swallowed an error of an aborted
+    /// transaction (PostgreSQL), or a transaction a swallowed deadlock rolled back (MySQL),
+    /// fails here, and is never committed as if it were done. The aborted transaction is a
+    /// database error, redelivered; the rolled-back one is [`ProcessError::TransactionEnded`],
+    /// permanent, since the statements the handler ran after the rollback committed on their
+    /// own.
     pub(crate) async fn finish(
         &self,
         conn: &mut DB::Connection,
-        id: i64,
+        marker: Marker,
         key: &str,
         delivery: &Delivery,
     ) -> Result<(), ProcessError> {
-        let hash = delivery.payload_hash.as_deref();
-        let finished = DB::execute_finish(conn, self.sql.finish.clone(), id, hash)
-            .await
-            .map_err(|source| ProcessError::Database {
-                stage: Stage::Finish,
-                source,
-            })?;
+        let failed = |source| ProcessError::Database {
+            stage: Stage::Finish,
+            source,
+        };
         // The marker, inserted by this transaction and seen by no other, can only be gone
         // with the transaction itself.
-        match DB::rows_affected(&finished) {
-            0 => Err(ProcessError::TransactionEnded {
+        let gone = if marker.finished {
+            let check = DB::fetch_count(conn, self.sql.check.clone(), marker.id);
+            check.await.map_err(failed)? == 0
+        } else {
+            let hash = delivery.payload_hash.as_deref();
+            let finish = DB::execute_finish(conn, self.sql.finish.clone(), marker.id, hash);
+            DB::rows_affected(&finish.await.map_err(failed)?) == 0
+        };
+        match gone {
+            true => Err(ProcessError::TransactionEnded {
                 key: key.to_owned(),
             }),
-            _ => Ok(()),
+            false => Ok(()),
         }
     }
+}
+
+/// A marker the message's transaction inserted: its id, and whether the claim inserted it
+/// finished (`InboxStatements::claim_finished`) or `Inbox::finish` sets its `processed_at`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Marker {
+    pub id: i64,
+    pub finished: bool,
 }
 
 /// Rolls `tx` back now rather than on drop, so that the connection returns to the pool clean.

@@ -131,6 +131,21 @@ async fn key_reuse_found_after_waiting_for_the_original<B: TestBackend>() {
     assert_eq!(inbox.key_reuses(), 1);
 }
 
+/// The marker commits finished, keeping its payload's hash: on the tables whose claim inserts
+/// it so, and on the partitioned one, whose finish writes both after the handler.
+async fn the_marker_commits_finished_with_its_hash<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let delivery = Delivery::new("credits").with_payload(b"the body");
+    let outcome = inbox
+        .process(&B::Credit::default(), &(), Entry::new("k", 1, 1), &delivery)
+        .await
+        .expect("a credit");
+    assert!(matches!(outcome, Outcome::Ack), "{outcome:?}");
+    let finished =
+        "SELECT count(*) FROM inbox WHERE processed_at IS NOT NULL AND payload_hash IS NOT NULL";
+    assert_eq!(B::count(&db, finished).await, 1);
+}
+
 /// Both copies in one batch: the second claims nothing (the first claimed the key in the same
 /// transaction, its hash not yet written) and used to be skipped unseen, also with `reject`.
 async fn key_reuse_within_one_batch<B: TestBackend>() {
@@ -175,6 +190,7 @@ async fn key_reuse_within_one_batch<B: TestBackend>() {
 }
 
 super::behaviours!(partitioned_too;
+    the_marker_commits_finished_with_its_hash,
     key_reuse_within_one_batch,
     key_reused_with_another_payload_is_counted,
     key_reuse_rejected_is_dead_lettered,
