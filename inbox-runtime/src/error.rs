@@ -29,7 +29,7 @@ impl fmt::Display for Stage {
         f.write_str(match self {
             Stage::Begin => "beginning the transaction",
             Stage::Claim => "claiming the message key",
-            Stage::Finish => "marking the message processed",
+            Stage::Finish => "finishing the marker after the handler",
             Stage::Commit => "committing",
         })
     }

@@ -2,8 +2,9 @@
 //! transaction aborted (25P02). PostgreSQL answers the COMMIT of an aborted transaction with a
 //! ROLLBACK tag, not an error, and sqlx does not check the tag: the inbox used to report `Ack`
 //! with nothing committed, and the worker acked a message whose effect never happened (lost).
-//! The marker's `processed_at` is now written after the handler, in the same transaction, so the
-//! aborted transaction fails there and nothing is acked.
+//! A statement on the marker now runs after the handler, in the same transaction (a lookup of the
+//! marker inserted finished, or the partitioned inbox's `processed_at` update), so the aborted
+//! transaction fails there and nothing is acked.
 
 use inbox_runtime::{ErrorClass, Inbox, ProcessError, Stage, Tx, classify, idempotent};
 use inbox_tests::backends::{Postgres, TestBackend};

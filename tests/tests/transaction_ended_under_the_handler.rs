@@ -2,7 +2,7 @@
 //! transaction back, and on SQLite some errors do the same; a handler that swallows that error
 //! and goes on runs its later statements outside any transaction, each committed on its own
 //! (here the handler rolls back itself, which leaves the same state). The marker went with the
-//! rollback, so the inbox's `processed_at` update finds no row. That used to be a retryable
+//! rollback, so the inbox's lookup of it after the handler finds no row. That used to be a retryable
 //! failure: every redelivery claimed the key again and committed the later statements again,
 //! so the effect was applied once per delivery. It is now permanent, naming the cause, and its
 //! letter is kept as on the last delivery (never a nak, even when the dead-letter stream

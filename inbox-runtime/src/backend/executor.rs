@@ -31,11 +31,13 @@ pub trait Generic: sqlx::Database {
         hash: Option<&'a str>,
     ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
 
-    /// Runs `sql` binding `id` and returns the count it selects.
+    /// Runs `sql` binding (id, consumer, key) and returns the count it selects.
     fn fetch_count<'a>(
         conn: &'a mut Self::Connection,
         sql: SqlStr,
         id: i64,
+        consumer: &'a str,
+        key: &'a str,
     ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send + 'a;
 
     /// Runs `sql` with (consumer, key) and returns the claim's state, if it has a row.
@@ -309,13 +311,17 @@ where
             .await
     }
 
-    async fn fetch_count(
-        conn: &mut DB::Connection,
+    async fn fetch_count<'a>(
+        conn: &'a mut DB::Connection,
         sql: SqlStr,
         id: i64,
+        consumer: &'a str,
+        key: &'a str,
     ) -> Result<i64, sqlx::Error> {
         sqlx::query_scalar::<DB, i64>(sql)
             .bind(id)
+            .bind(consumer)
+            .bind(key)
             .fetch_one(conn)
             .await
     }

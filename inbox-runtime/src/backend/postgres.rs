@@ -338,7 +338,7 @@ pub(super) fn dead_letters_migration(table: &TableName) -> String {
 
 pub(super) fn open_claims_migration(table: &TableName) -> String {
     // Open two-phase claims, for the sweeper. Partial: one-transaction markers never set
-    // lease_until, so they never enter it, and their processed_at update stays HOT.
+    // lease_until, so they never enter it (and a batch's processed_at update stays HOT).
     format!(
         "CREATE INDEX IF NOT EXISTS {table}_open_claims_idx ON {table} (consumer, id) \
          WHERE lease_until IS NOT NULL"

@@ -17,8 +17,9 @@ pub(crate) struct InboxStatements {
     /// Binds the payload's hash and the marker's id (in that order: MySQL's placeholders are
     /// positional): sets `processed_at` (and the hash) on a marker `claim` inserted.
     pub finish: SqlStr,
-    /// Binds the marker's id: counts it, 1 while the transaction that inserted it is still the
-    /// one its statements run in (see `Inbox::finish`).
+    /// Binds the marker's id, consumer and key: counts the marker, 1 while the transaction that
+    /// inserted it is still the one its statements run in (see `Inbox::finish`). Consumer and
+    /// key too, since SQLite may give a rolled-back row's id to the next insert.
     pub check: SqlStr,
     /// Binds consumer, key: the payload hash the key's marker keeps.
     pub hash: SqlStr,
@@ -224,9 +225,11 @@ impl InboxStatements {
             claim: DB::claim_sql(table, layout),
             claim_finished: DB::claim_finished_sql(table, layout),
             check: sql(format!(
-                "SELECT {} FROM {table} WHERE id = {}",
+                "SELECT {} FROM {table} WHERE id = {} AND consumer = {} AND message_key = {}",
                 int("COUNT(*)"),
-                DB::param(1)
+                DB::param(1),
+                DB::param(2),
+                DB::param(3)
             )),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(

@@ -399,6 +399,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 // As for one message: the marker must still be there to be finished.
                 let marker = Marker {
                     id,
+                    consumer: H::CONSUMER,
                     finished: false,
                 };
                 self.finish(&mut savepoint, marker, keys[i], delivery).await

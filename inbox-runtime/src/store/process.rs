@@ -238,7 +238,11 @@ impl<DB: InboxBackend> Inbox<DB> {
             .handle(message, delivery, tx, state)
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
-        Ok(Some(Marker { id, finished }))
+        Ok(Some(Marker {
+            id,
+            consumer: H::CONSUMER,
+            finished,
+        }))
     }
 
     /// Whether the duplicate `key` of `delivery` came with another payload than the one the key
@@ -310,7 +314,13 @@ impl<DB: InboxBackend> Inbox<DB> {
         // The marker, inserted by this transaction and seen by no other, can only be gone
         // with the transaction itself.
         let gone = if marker.finished {
-            let check = DB::fetch_count(conn, self.sql.check.clone(), marker.id);
+            let check = DB::fetch_count(
+                conn,
+                self.sql.check.clone(),
+                marker.id,
+                marker.consumer,
+                key,
+            );
             check.await.map_err(failed)? == 0
         } else {
             let hash = delivery.payload_hash.as_deref();
@@ -326,11 +336,13 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
-/// A marker the message's transaction inserted: its id, and whether the claim inserted it
-/// finished (`InboxStatements::claim_finished`) or `Inbox::finish` sets its `processed_at`.
+/// A marker the message's transaction inserted: its id, its consumer, and whether the claim
+/// inserted it finished (`InboxStatements::claim_finished`) or `Inbox::finish` sets its
+/// `processed_at`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Marker {
     pub id: i64,
+    pub consumer: &'static str,
     pub finished: bool,
 }
 
