@@ -31,15 +31,6 @@ pub trait Generic: sqlx::Database {
         hash: Option<&'a str>,
     ) -> impl Future<Output = Result<Option<i64>, sqlx::Error>> + Send + 'a;
 
-    /// Runs `sql` binding (id, consumer, key) and returns the count it selects.
-    fn fetch_count<'a>(
-        conn: &'a mut Self::Connection,
-        sql: SqlStr,
-        id: i64,
-        consumer: &'a str,
-        key: &'a str,
-    ) -> impl Future<Output = Result<i64, sqlx::Error>> + Send + 'a;
-
     /// Runs `sql` with (consumer, key) and returns the claim's state, if it has a row.
     fn fetch_claim_state<'a>(
         conn: &'a mut Self::Connection,
@@ -308,21 +299,6 @@ where
             .bind(key)
             .bind(hash)
             .fetch_optional(conn)
-            .await
-    }
-
-    async fn fetch_count<'a>(
-        conn: &'a mut DB::Connection,
-        sql: SqlStr,
-        id: i64,
-        consumer: &'a str,
-        key: &'a str,
-    ) -> Result<i64, sqlx::Error> {
-        sqlx::query_scalar::<DB, i64>(sql)
-            .bind(id)
-            .bind(consumer)
-            .bind(key)
-            .fetch_one(conn)
             .await
     }
 

@@ -17,16 +17,14 @@ pub(crate) struct InboxStatements {
     /// Binds the payload's hash and the marker's id (in that order: MySQL's placeholders are
     /// positional): sets `processed_at` (and the hash) on a marker `claim` inserted.
     pub finish: SqlStr,
-    /// Binds the marker's id, consumer and key: counts the marker, 1 while the transaction that
-    /// inserted it is still the one its statements run in (see `Inbox::finish`). Consumer and
-    /// key too, since SQLite may give a rolled-back row's id to the next insert.
-    pub check: SqlStr,
     /// Binds consumer, key: the payload hash the key's marker keeps.
     pub hash: SqlStr,
     /// See `Backend::cleanup_sql`.
     pub cleanup: SqlStr,
     /// Binds consumer, key: the id of the key's finished marker, if one is committed (after a
-    /// COMMIT whose reply was lost, whether the effect is done).
+    /// COMMIT whose reply was lost, whether the effect is done), or inserted finished by the
+    /// transaction it runs in (after the handler, whether that transaction still holds it:
+    /// see `Inbox::finish`).
     pub done: SqlStr,
     /// See `Backend::begin_sql`.
     pub begin: Begin,
@@ -196,7 +194,6 @@ impl InboxStatements {
         layout: &Layout,
         lock_timeout: Duration,
     ) -> Self {
-        let int = |expr: &str| format!("CAST({expr} AS {})", DB::INT64);
         InboxStatements {
             begin: Begin::new::<DB>(lock_timeout, None),
             begin_unlaned: Begin::new::<DB>(lock_timeout.min(UNLANED_LOCK_WAIT), None),
@@ -224,13 +221,6 @@ impl InboxStatements {
             inbox_probe: sql(DB::inbox_probe_sql(table)),
             claim: DB::claim_sql(table, layout),
             claim_finished: DB::claim_finished_sql(table, layout),
-            check: sql(format!(
-                "SELECT {} FROM {table} WHERE id = {} AND consumer = {} AND message_key = {}",
-                int("COUNT(*)"),
-                DB::param(1),
-                DB::param(2),
-                DB::param(3)
-            )),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(
                 "UPDATE {table} SET processed_at = {}, payload_hash = {} WHERE id = {}",

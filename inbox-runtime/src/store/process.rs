@@ -293,7 +293,8 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 
     /// Ends the handler's part of `marker`'s transaction: a marker the claim inserted finished
-    /// is looked up by id, any other gets its `processed_at` (and the payload's hash). Either
+    /// is looked up by its key (the id found must be its own), any other gets its
+    /// `processed_at` (and the payload's hash). Either
     /// way the marker must still be there: a handler that swallowed an error of an aborted
     /// transaction (PostgreSQL), or a transaction a swallowed deadlock rolled back (MySQL),
     /// fails here, and is never committed as if it were done. The aborted transaction is a
@@ -314,14 +315,11 @@ impl<DB: InboxBackend> Inbox<DB> {
         // The marker, inserted by this transaction and seen by no other, can only be gone
         // with the transaction itself.
         let gone = if marker.finished {
-            let check = DB::fetch_count(
-                conn,
-                self.sql.check.clone(),
-                marker.id,
-                marker.consumer,
-                key,
-            );
-            check.await.map_err(failed)? == 0
+            // The key's finished marker as this transaction sees it: its own while it holds
+            // it; after a rollback, none, or a twin's committed since (another id, unless
+            // SQLite gave it the rolled-back row's).
+            let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
+            done.await.map_err(failed)? != Some(marker.id)
         } else {
             let hash = delivery.payload_hash.as_deref();
             let finish = DB::execute_finish(conn, self.sql.finish.clone(), marker.id, hash);
