@@ -58,6 +58,32 @@ async fn wait_applied(db: &TestDb<<Postgres as TestBackend>::Db>, n: i64, what: 
     .unwrap();
 }
 
+/// How many letters the dead-letter stream holds (0 while it does not exist or does not answer).
+async fn dead_letters(js: &jetstream::Context) -> u64 {
+    match js.get_stream(inbox_runtime::DEFAULT_DLQ_STREAM).await {
+        Ok(mut dlq) => dlq.info().await.map_or(0, |i| i.state.messages),
+        Err(_) => 0,
+    }
+}
+
+/// The lines of the processes' logs about letters, dead-lettering and terms (they log at warn).
+fn letter_lines(logs: &[std::path::PathBuf]) -> String {
+    let mut lines = Vec::new();
+    for (k, log) in logs.iter().enumerate() {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        for line in text.lines() {
+            let lower = line.to_lowercase();
+            if ["letter", "term", "creation time"]
+                .iter()
+                .any(|w| lower.contains(w))
+            {
+                lines.push(format!("credit {k}: {line}"));
+            }
+        }
+    }
+    lines.join("\n")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_processes_ride_out_two_leader_kills() {
     let mut cluster = PrivateCluster::start().await.expect("a private cluster");
@@ -163,6 +189,24 @@ async fn three_processes_ride_out_two_leader_kills() {
     .await
     .unwrap();
 
+    // The poison message's letter: in the dead-letter stream, or parked in the database on its
+    // last delivery and relayed every few seconds. Polled while the processes still run, so that
+    // a parked letter gets there; what each process logged of letters is shown if it does not.
+    let lettered = wait_until(
+        "the poison message's dead letter",
+        Duration::from_secs(60),
+        async || dead_letters(&js).await >= 1,
+    )
+    .await;
+    if let Err(e) = lettered {
+        let parked = Postgres::count(&db, "SELECT count(*) FROM inbox_dead_letters").await;
+        panic!(
+            "{e}: {} in the stream, {parked} parked in the database; what the processes logged of letters:\n{}",
+            dead_letters(&js).await,
+            letter_lines(&logs)
+        );
+    }
+
     // Process 0 was SIGKILLed once: what its first life applied is not in any summary.
     let mut total = 0;
     for (k, p) in processes.into_iter().enumerate() {
@@ -187,8 +231,9 @@ async fn three_processes_ride_out_two_leader_kills() {
     assert_eq!(
         info.state.messages,
         1,
-        "dead letters:\n{}",
-        letters.join("\n")
+        "dead letters:\n{}\nwhat the processes logged of letters:\n{}",
+        letters.join("\n"),
+        letter_lines(&logs)
     );
 
     let mut expected = BTreeMap::new();
