@@ -12,7 +12,8 @@ use async_nats::jetstream::{self, consumer::pull, stream};
 use inbox_examples::CreditRequested;
 use inbox_runtime::Inbox;
 use inbox_testkit::{
-    CreditConfig, CreditProcess, PrivateCluster, backlog, publish_and_wait, unique, wait_until,
+    CreditConfig, CreditProcess, PrivateCluster, backlog, publish_acked, publish_and_wait, unique,
+    wait_until,
 };
 use inbox_tests::backends::{Postgres, TestBackend, TestDb};
 use std::collections::BTreeMap;
@@ -64,6 +65,30 @@ async fn dead_letters(js: &jetstream::Context) -> u64 {
         Ok(mut dlq) => dlq.info().await.map_or(0, |i| i.state.messages),
         Err(_) => 0,
     }
+}
+
+/// What the server says of the durable consumer and of the poison message (at `poison`), for a
+/// failure's message.
+async fn consumer_state(js: &jetstream::Context, stream: &str, poison: u64) -> String {
+    let Ok(stream) = js.get_stream(stream).await else {
+        return "the stream did not answer".into();
+    };
+    let held = stream.get_raw_message(poison).await.is_ok();
+    let consumer = match stream.get_consumer::<pull::Config>(DURABLE).await {
+        Ok(mut c) => match c.info().await {
+            Ok(i) => format!(
+                "delivered stream seq {}, ack floor stream seq {}, ack pending {}, redelivered {}, pending {}",
+                i.delivered.stream_sequence,
+                i.ack_floor.stream_sequence,
+                i.num_ack_pending,
+                i.num_redelivered,
+                i.num_pending
+            ),
+            Err(e) => format!("consumer info failed: {e}"),
+        },
+        Err(e) => format!("consumer lookup failed: {e}"),
+    };
+    format!("poison message (seq {poison}) still in the stream: {held}; consumer: {consumer}")
 }
 
 /// The lines of the processes' logs about letters, dead-lettering and terms (they log at warn).
@@ -119,9 +144,10 @@ async fn three_processes_ride_out_two_leader_kills() {
     let (first, second) = all.split_at(all.len() / 2);
     publish_and_wait(&js, &subject, twice(first)).await.unwrap();
     // One that is not JSON: dead-lettered, into a stream with the source's three replicas.
-    publish_and_wait(&js, &subject, [b"not json".to_vec()])
+    let poison = publish_acked(&js, &subject, [b"not json".to_vec()])
         .await
-        .unwrap();
+        .unwrap()[0]
+        .sequence;
 
     let config = CreditConfig {
         binary: env!("CARGO_BIN_EXE_credit").into(),
@@ -201,8 +227,9 @@ async fn three_processes_ride_out_two_leader_kills() {
     if let Err(e) = lettered {
         let parked = Postgres::count(&db, "SELECT count(*) FROM inbox_dead_letters").await;
         panic!(
-            "{e}: {} in the stream, {parked} parked in the database; what the processes logged of letters:\n{}",
+            "{e}: {} in the stream, {parked} parked in the database; {}; what the processes logged of letters:\n{}",
             dead_letters(&js).await,
+            consumer_state(&js, &name, poison).await,
             letter_lines(&logs)
         );
     }
@@ -231,8 +258,9 @@ async fn three_processes_ride_out_two_leader_kills() {
     assert_eq!(
         info.state.messages,
         1,
-        "dead letters:\n{}\nwhat the processes logged of letters:\n{}",
+        "dead letters:\n{}\n{}\nwhat the processes logged of letters:\n{}",
         letters.join("\n"),
+        consumer_state(&js, &name, poison).await,
         letter_lines(&logs)
     );
 
