@@ -16,7 +16,8 @@ pub enum Stage {
     Begin,
     /// Inserting the marker.
     Claim,
-    /// After the handler, before COMMIT: checking that the marker is still in the
+    /// After the handler, before COMMIT: writing the outbox rows the handler wrote (held until
+    /// it returned) where the marker is, checking that the marker is still in the
     /// transaction (where the claim inserted it finished), or recording when the effect was
     /// done (`processed_at`, PostgreSQL's partitioned inbox; a batch's markers).
     Finish,

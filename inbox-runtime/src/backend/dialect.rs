@@ -5,7 +5,7 @@
 use super::begin::CutSessions;
 use super::{Generic, TableName};
 use crate::layout::{Layout, Partitions};
-use sqlx::{Pool, SqlStr, Transaction};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::future::Future;
 use std::time::Duration;
 
@@ -342,4 +342,56 @@ pub trait Backend: sqlx::Database + Generic {
     /// The outbox: deletes at most `?2` rows of `table` sent more than `?1` seconds (a float)
     /// ago, oldest first.
     fn outbox_cleanup_sql(table: &TableName) -> SqlStr;
+
+    /// `n` rows into `outbox`, each bound as (msg id, subject, order key, headers, payload, then
+    /// the marker's id, consumer and key), inserted in their order if the marker is found in
+    /// `inbox` (see `store/held.rs`); none otherwise, or the statement fails with an error
+    /// [`Backend::is_missing_marker`] tells.
+    fn insert_if_marked_sql(outbox: &TableName, inbox: &TableName, n: usize) -> SqlStr {
+        insert_if_marked_select::<Self>(outbox, inbox, n)
+    }
+
+    /// Whether `err`, of a [`Backend::insert_if_marked_sql`] statement, says the marker is
+    /// missing.
+    fn is_missing_marker(_err: &sqlx::Error) -> bool {
+        false
+    }
+}
+
+/// [`Backend::insert_if_marked_sql`] as one `INSERT .. SELECT` (an arm per row, each reading
+/// the marker's row).
+pub(crate) fn insert_if_marked_select<DB: Backend>(
+    outbox: &TableName,
+    inbox: &TableName,
+    n: usize,
+) -> SqlStr {
+    let cols = "msg_id, subject, order_key, headers, payload";
+    let arm = |i: usize, named: bool| {
+        let p = |k: usize| DB::param(i * 8 + k);
+        let (msg_id, subject, order_key, headers, payload) = (p(1), p(2), p(3), p(4), p(5));
+        let values = match named {
+            true => format!(
+                "{i} AS n, {msg_id} AS msg_id, {subject} AS subject, {order_key} AS \
+                 order_key, {headers} AS headers, {payload} AS payload"
+            ),
+            false => format!("{msg_id}, {subject}, {order_key}, {headers}, {payload}"),
+        };
+        let (id, consumer, key) = (p(6), p(7), p(8));
+        format!(
+            "SELECT {values} FROM {inbox} \
+             WHERE id = {id} AND consumer = {consumer} AND message_key = {key}"
+        )
+    };
+    let sql = match n {
+        1 => format!("INSERT INTO {outbox} ({cols}) {}", arm(0, false)),
+        // Ordered, so that the ids follow the order the rows were written in.
+        _ => format!(
+            "INSERT INTO {outbox} ({cols}) SELECT {cols} FROM ({}) AS held ORDER BY n",
+            (0..n)
+                .map(|i| arm(i, true))
+                .collect::<Vec<_>>()
+                .join(" UNION ALL ")
+        ),
+    };
+    AssertSqlSafe(sql).into_sql_str()
 }

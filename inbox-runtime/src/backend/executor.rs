@@ -125,11 +125,13 @@ pub trait Generic: sqlx::Database {
         sql: SqlStr,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
-    /// The outbox: runs `sql` binding (msg id, subject, order key, headers, payload).
+    /// The outbox: runs `sql` binding, for each row, (msg id, subject, order key, headers,
+    /// payload) and then the marker's (id, consumer, key) when given.
     fn outbox_insert<'a>(
         conn: &'a mut Self::Connection,
         sql: SqlStr,
-        row: NewOutboxRow<'a>,
+        rows: &'a [NewOutboxRow<'a>],
+        marker: Option<(i64, &'a str, &'a str)>,
     ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a;
 
     /// Runs `sql`, which answers one text (the server's version).
@@ -389,13 +391,17 @@ where
     async fn outbox_insert<'a>(
         conn: &'a mut DB::Connection,
         sql: SqlStr,
-        row: NewOutboxRow<'a>,
+        rows: &'a [NewOutboxRow<'a>],
+        marker: Option<(i64, &'a str, &'a str)>,
     ) -> Result<DB::QueryResult, sqlx::Error> {
-        let query = sqlx::query::<DB>(sql).bind(row.msg_id).bind(row.subject);
-        let query = query
-            .bind(row.order_key)
-            .bind(row.headers)
-            .bind(row.payload);
+        let mut query = sqlx::query::<DB>(sql);
+        for row in rows {
+            query = query.bind(row.msg_id).bind(row.subject).bind(row.order_key);
+            query = query.bind(row.headers).bind(row.payload);
+            if let Some((id, consumer, key)) = marker {
+                query = query.bind(id).bind(consumer).bind(key);
+            }
+        }
         query.execute(conn).await
     }
 

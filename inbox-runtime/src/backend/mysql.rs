@@ -164,6 +164,29 @@ impl Backend for MySql {
         ]
     }
 
+    /// One row: `INSERT .. VALUES`, its payload read from the marker's row (NULL, refused by
+    /// its NOT NULL, when there is none). An `INSERT .. SELECT` takes the table's AUTO-INC lock
+    /// to the end of the statement (`innodb_autoinc_lock_mode` 1, MariaDB's default), which
+    /// made concurrent transactions queue on it: `credit` with three processes fell from 0.90x
+    /// to 0.64x and 0.72x of the hand-written consumer, MariaDB's CPU per message up by a third.
+    fn insert_if_marked_sql(outbox: &TableName, inbox: &TableName, n: usize) -> SqlStr {
+        if n != 1 {
+            return super::dialect::insert_if_marked_select::<MySql>(outbox, inbox, n);
+        }
+        AssertSqlSafe(format!(
+            "INSERT INTO {outbox} (msg_id, subject, order_key, headers, payload) VALUES \
+             (?, ?, ?, ?, (SELECT ? FROM {inbox} WHERE id = ? AND consumer = ? AND message_key = ?))"
+        ))
+        .into_sql_str()
+    }
+
+    /// 1048: the payload of a one-row insert was NULL: no marker.
+    fn is_missing_marker(err: &sqlx::Error) -> bool {
+        err.as_database_error()
+            .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+            .is_some_and(|e| e.number() == 1048)
+    }
+
     fn outbox_cleanup_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
             "DELETE FROM {table} WHERE sent_at IS NOT NULL \

@@ -31,8 +31,9 @@ pub use message::{InvalidMessage, OutboxMessage};
 pub use relay::Hook;
 pub use relay::{DEFAULT_RETENTION, Relay, RelayStats};
 
-use crate::backend::{InboxBackend, NewOutboxRow, TableName, migrate};
+use crate::backend::{InboxBackend, TableName, migrate};
 use crate::classify::Permanent;
+use crate::store::held;
 use serde::Serialize;
 use sqlx::{Pool, Transaction};
 use statements::OutboxStatements;
@@ -170,6 +171,15 @@ impl<DB: InboxBackend> Outbox<DB> {
     ///
     /// In a worker's handler, the worker wakes the relay once the transaction commits. Elsewhere,
     /// call [`Outbox::wake`] after committing, or the relay finds the row at its next poll.
+    ///
+    /// In a worker's handler, a row written in the transaction the worker handed it is held
+    /// until the handler returns and then written, with the handler's other rows in the order
+    /// they were written, by the one statement that also checks the message's marker (it takes
+    /// the place of the marker's lookup: a round trip per message saved). So an error of that
+    /// insert ends the message's try after the handler, not inside it, and the handler does
+    /// not see the row in the table. A row written in a savepoint the handler opens
+    /// (`tx.begin()`) is written at once, to go with it if it is rolled back: it then comes
+    /// before the held rows of the same order key. Elsewhere the row is written at once.
     pub async fn enqueue(
         &self,
         tx: &mut Transaction<'_, DB>,
@@ -186,18 +196,23 @@ impl<DB: InboxBackend> Outbox<DB> {
         if max > 0 && size > max {
             return Err(refuse(InvalidMessage::TooLarge { size, max }));
         }
-        let order_key = message.order_key.as_deref().unwrap_or(&message.subject);
         let headers = serde_json::to_string(&message.headers)
             .map_err(|e| sqlx::Error::Encode(Box::new(e)))?;
-        let row = NewOutboxRow {
-            msg_id: &msg_id,
-            subject: &message.subject,
-            order_key,
-            headers: &headers,
-            payload: &message.payload,
-        };
-        DB::outbox_insert(&mut **tx, self.inner.sql.insert.clone(), row).await?;
         crate::wake::after_scope(&self.inner.wake);
+        let row = held::HeldRow {
+            table: self.inner.table.clone(),
+            msg_id: msg_id.clone(),
+            order_key: message.order_key.unwrap_or_else(|| message.subject.clone()),
+            subject: message.subject,
+            headers,
+            payload: message.payload,
+        };
+        // In a worker's transaction, held and written with the check of its marker.
+        if let Some(row) = held::hold(&*tx, row) {
+            let sql = self.inner.sql.insert.clone();
+            let new = [row.new_row()];
+            DB::outbox_insert(&mut **tx, sql, &new, None).await?;
+        }
         Ok(msg_id)
     }
 

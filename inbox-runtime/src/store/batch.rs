@@ -20,6 +20,7 @@
 //! transaction, and is a Skip.
 
 use super::Inbox;
+use super::held;
 use super::process::Marker;
 use crate::backend::{self, Begin, Beginning, Claimed, InboxBackend};
 use crate::delivery::Delivery;
@@ -89,7 +90,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
         // The relay of every outbox the handlers wrote to is woken once the batch commits.
         // Boxed, as in `process_keyed`: a large future, kept off the stack.
-        crate::wake::scope(Box::pin(async {
+        crate::wake::scope(held::scope(Box::pin(async {
             let backoff =
                 crate::backoff::Backoff::new(Duration::from_millis(5), Duration::from_millis(100))
                     .with_jitter();
@@ -150,7 +151,7 @@ impl<DB: InboxBackend> Inbox<DB> {
                 }
             }
             end
-        }))
+        })))
         .await
     }
 
@@ -210,6 +211,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             .filter(|(_, c)| matches!(c, Claimed::New(_)))
             .map(|(i, _)| (keys[i], i))
             .collect();
+        // The handlers' outbox rows are held, and written below where the first marker is.
+        let held = held::open(&tx);
         for (i, (claim, decoded)) in claims.into_iter().zip(decoded).enumerate() {
             let Claimed::New(id) = claim else {
                 // A copy of a key this batch claims itself is compared with that message.
@@ -253,7 +256,15 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .map(|&i| deliveries[i].payload_hash.as_deref())
                 .collect();
             let finish = backend::finish_many_sql::<DB>(self.table(), &claimed, &hashes);
-            match DB::execute_raw(&mut tx, finish).await {
+            let first = (claimed[0], H::CONSUMER, keys[claimed_at[0]]);
+            let held = held.take();
+            let written = held::insert_if_marked::<DB>(&mut tx, self.table(), &held, first);
+            let finished = match written.await {
+                Ok(true) => DB::execute_raw(&mut tx, finish).await,
+                Ok(false) => Ok(Default::default()),
+                Err(e) => Err(e),
+            };
+            match finished {
                 Ok(r) if DB::rows_affected(&r) == claimed.len() as u64 => {}
                 // The markers, inserted by this transaction and seen by no other, are gone:
                 // the transaction ended under one of the handlers, not known which, and the
@@ -402,7 +413,8 @@ impl<DB: InboxBackend> Inbox<DB> {
                     consumer: H::CONSUMER,
                     finished: false,
                 };
-                self.finish(&mut savepoint, marker, keys[i], delivery).await
+                self.finish(&mut savepoint, marker, Vec::new(), keys[i], delivery)
+                    .await
             };
             let processed = AssertUnwindSafe(one).catch_unwind().await;
             let kept = match processed {

@@ -4,11 +4,13 @@
 //! transaction, where a duplicate is decided), `two_phase` (claims with a lease, for side effects
 //! outside the database), `batch` (several messages in one transaction), `cleanup` (retention
 //! and the deletion of old markers), `partitions` (the partitioned layout's upkeep),
-//! `dead_letters` (letters parked in the database).
+//! `dead_letters` (letters parked in the database), `held` (the outbox rows a handler writes,
+//! held until it returns and written with its marker's check).
 
 mod batch;
 mod cleanup;
 mod dead_letters;
+pub(crate) mod held;
 mod kept;
 mod partitions;
 mod process;

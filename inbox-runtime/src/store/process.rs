@@ -1,8 +1,10 @@
 //! Where a duplicate is decided: one transaction per message (BEGIN, the claim inserting the
-//! marker finished, the handler's statements, the check that the marker is still there,
-//! COMMIT), and the marker lookup after a COMMIT whose reply was lost.
+//! marker finished, the handler's statements, the check that the marker is still there, COMMIT),
+//! and the marker lookup after a COMMIT whose reply was lost. The check is the insert of the
+//! handler's outbox rows, held until it returns (`store/held.rs`), when it wrote any.
 
 use super::Inbox;
+use super::held::{self, HeldRow, Holding};
 use crate::backend::{Claimed, InboxBackend};
 use crate::classify::{is_outage, is_read_only};
 use crate::delivery::Delivery;
@@ -48,7 +50,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         // through the scope's layers by value overflowed a worker thread's stack in debug
         // builds.
         let work = Box::pin(self.process_keyed_now(handler, state, message, delivery, key));
-        crate::wake::scope(work).await
+        crate::wake::scope(held::scope(work)).await
     }
 
     async fn process_keyed_now<H: Handler<Db = DB>>(
@@ -80,7 +82,10 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .claim_and_handle(&mut tx, handler, state, message, delivery, key)
                 .await;
             match handled {
-                Ok(Some(marker)) => self.finish_and_commit(tx, marker, key, delivery).await,
+                Ok(Some((marker, held))) => {
+                    self.finish_and_commit(tx, marker, held.take(), key, delivery)
+                        .await
+                }
                 other => {
                     // A duplicate wrote nothing and a failure must leave nothing.
                     rolled_back = roll_back(tx).await;
@@ -124,10 +129,11 @@ impl<DB: InboxBackend> Inbox<DB> {
         &self,
         mut tx: Transaction<'_, DB>,
         marker: Marker,
+        held: Vec<HeldRow>,
         key: &str,
         delivery: &Delivery,
     ) -> Result<Result<Outcome, sqlx::Error>, ProcessError> {
-        if let Err(e) = self.finish(&mut tx, marker, key, delivery).await {
+        if let Err(e) = self.finish(&mut tx, marker, held, key, delivery).await {
             roll_back(tx).await;
             return Err(e);
         }
@@ -185,18 +191,18 @@ impl<DB: InboxBackend> Inbox<DB> {
         delivery: &Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
-        let Some(marker) = self
+        let Some((marker, held)) = self
             .claim_and_handle(tx, handler, state, message, delivery, key)
             .await?
         else {
             return Ok(Outcome::Skip);
         };
-        self.finish(tx, marker, key, delivery).await?;
+        self.finish(tx, marker, held.take(), key, delivery).await?;
         Ok(Outcome::Ack)
     }
 
-    /// [`Inbox::process_in`] up to the finish: the claimed marker once the handler ran, `None`
-    /// for a duplicate.
+    /// [`Inbox::process_in`] up to the finish: the claimed marker once the handler ran, with
+    /// the outbox rows it wrote in `tx` (held), `None` for a duplicate.
     async fn claim_and_handle<'c, H: Handler<Db = DB>>(
         &self,
         tx: &mut Transaction<'c, DB>,
@@ -205,7 +211,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         message: H::Message,
         delivery: &Delivery,
         key: &str,
-    ) -> Result<Option<Marker>, ProcessError> {
+    ) -> Result<Option<(Marker, Holding)>, ProcessError> {
         if H::TWO_PHASE {
             return Err(ProcessError::TwoPhaseInTransaction(H::CONSUMER));
         }
@@ -234,15 +240,18 @@ impl<DB: InboxBackend> Inbox<DB> {
             }
             return Ok(None);
         };
+        // The outbox rows the handler writes in `tx` are held, for `finish` to write.
+        let held = held::open(&*tx);
         handler
             .handle(message, delivery, tx, state)
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
-        Ok(Some(Marker {
+        let marker = Marker {
             id,
             consumer: H::CONSUMER,
             finished,
-        }))
+        };
+        Ok(Some((marker, held)))
     }
 
     /// Whether the duplicate `key` of `delivery` came with another payload than the one the key
@@ -292,8 +301,9 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
     }
 
-    /// Ends the handler's part of `marker`'s transaction: a marker the claim inserted finished
-    /// is looked up by its key (the id found must be its own), any other gets its
+    /// Ends the handler's part of `marker`'s transaction: the outbox rows the handler wrote
+    /// are inserted where the marker is (all or none); a marker the claim inserted finished
+    /// is otherwise looked up by its key (the id found must be its own); any other gets its
     /// `processed_at` (and the payload's hash). Either
     /// way the marker must still be there: a handler that swallowed an error of an aborted
     /// transaction (PostgreSQL), or a transaction a swallowed deadlock rolled back (MySQL),
@@ -305,6 +315,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         &self,
         conn: &mut DB::Connection,
         marker: Marker,
+        held: Vec<HeldRow>,
         key: &str,
         delivery: &Delivery,
     ) -> Result<(), ProcessError> {
@@ -314,12 +325,22 @@ impl<DB: InboxBackend> Inbox<DB> {
         };
         // The marker, inserted by this transaction and seen by no other, can only be gone
         // with the transaction itself.
-        let gone = if marker.finished {
+        let gone = if !held.is_empty() {
+            // The handler's outbox rows, inserted where the marker is: the lookup's answer.
+            let marked = (marker.id, marker.consumer, key);
+            let insert = held::insert_if_marked::<DB>(conn, self.table(), &held, marked);
+            !insert.await.map_err(failed)?
+        } else if marker.finished {
             // The key's finished marker as this transaction sees it: its own while it holds
             // it; after a rollback, none, or a twin's committed since (another id, unless
             // SQLite gave it the rolled-back row's).
             let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
             done.await.map_err(failed)? != Some(marker.id)
+        } else {
+            false
+        };
+        let gone = if gone || marker.finished {
+            gone
         } else {
             let hash = delivery.payload_hash.as_deref();
             let finish = DB::execute_finish(conn, self.sql.finish.clone(), marker.id, hash);

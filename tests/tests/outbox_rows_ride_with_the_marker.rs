@@ -1,0 +1,203 @@
+//! A worker's handler's outbox rows are held until it returns, then written in one statement that
+//! is also the check of its marker (`INSERT .. SELECT .. FROM inbox WHERE id = <the marker's>`),
+//! in place of the marker's own lookup:
+//! - the rows commit, in the order they were written (ids ascending), one or many;
+//! - a row written in a savepoint the handler opened (`tx.begin()`) is written at once: rolled
+//!   back with it, committed when it is released;
+//! - a handler whose transaction ends under it (here it rolls back itself, as a swallowed
+//!   MySQL deadlock would) and that then writes a row: `TransactionEnded`, and the row is not
+//!   committed, since the insert found no marker;
+//! - a handler that swallows a failed statement's error and then writes a row: on PostgreSQL,
+//!   whose transaction is aborted, the insert fails and nothing commits;
+//! - through a worker, batched, every message's rows commit, in each message's order.
+
+use inbox_runtime::{Delivery, Inbox, Outbox, OutboxMessage, ProcessError, Tx, idempotent};
+use inbox_testkit::wait_until;
+use inbox_tests::backends::{MySql, Postgres, Sqlite, TestBackend};
+use inbox_tests::handlers::Entry;
+use inbox_tests::{NatsStream, Running};
+use sqlx::Connection;
+use std::time::Duration;
+
+/// The key whose handler ends its transaction before writing.
+const ENDS: &str = "end";
+/// The key whose handler swallows the error of a failed statement before writing (which
+/// aborts the transaction on PostgreSQL).
+const SWALLOWS: &str = "swallow";
+
+macro_rules! ride_with_the_marker {
+    ($name:ident, $backend:ty, $db:ty, $aborts:literal) => {
+        mod $name {
+            use super::*;
+
+            /// The payloads in the outbox, in id order.
+            async fn payloads(pool: &sqlx::Pool<$db>) -> Vec<String> {
+                let rows: Vec<(Vec<u8>,)> =
+                    sqlx::query_as("SELECT payload FROM outbox ORDER BY id")
+                        .fetch_all(pool)
+                        .await
+                        .expect("read the outbox");
+                rows.into_iter()
+                    .map(|(p,)| String::from_utf8(p).unwrap())
+                    .collect()
+            }
+
+            /// Writes `amount` rows `<key>-<i>`; for account 1, then one in a savepoint rolled
+            /// back (`-dropped`) and one in a savepoint released (`-kept`); for [`ENDS`], rolls
+            /// its transaction back first.
+            #[idempotent(consumer = "held", key = msg.key)]
+            async fn announce(
+                msg: Entry,
+                tx: &mut Tx<$db>,
+                outbox: &Outbox<$db>,
+            ) -> Result<(), sqlx::Error> {
+                if msg.key == ENDS {
+                    sqlx::raw_sql("ROLLBACK").execute(&mut **tx).await?;
+                }
+                if msg.key == SWALLOWS {
+                    let failed = sqlx::raw_sql("SELECT * FROM no_such_table")
+                        .execute(&mut **tx)
+                        .await;
+                    assert!(failed.is_err());
+                }
+                let row = |what: String| OutboxMessage::new("events.held", what).order_key("k");
+                for i in 0..msg.amount {
+                    outbox.enqueue(tx, row(format!("{}-{i}", msg.key))).await?;
+                }
+                if msg.account == 1 {
+                    let mut dropped = tx.begin().await?;
+                    outbox
+                        .enqueue(&mut dropped, row(format!("{}-dropped", msg.key)))
+                        .await?;
+                    dropped.rollback().await?;
+                    let mut kept = tx.begin().await?;
+                    outbox
+                        .enqueue(&mut kept, row(format!("{}-kept", msg.key)))
+                        .await?;
+                    kept.commit().await?;
+                }
+                Ok(())
+            }
+
+            async fn setup() -> (
+                inbox_tests::backends::TestDb<<$backend as TestBackend>::Db>,
+                Inbox<$db>,
+                Outbox<$db>,
+            ) {
+                let db = <$backend>::create(4).await;
+                let inbox = Inbox::new(db.pool.clone());
+                inbox.migrate().await.expect("migrate the inbox");
+                let outbox = Outbox::new(db.pool.clone());
+                outbox.migrate().await.expect("migrate the outbox");
+                (db, inbox, outbox)
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn rows_commit_in_order_and_savepoints_keep_their_own() {
+                let (db, inbox, outbox) = setup().await;
+                for (key, account, amount) in [("one", 0, 1), ("many", 0, 3), ("sp", 1, 2)] {
+                    let entry = Entry::new(key, account, amount);
+                    let done = inbox
+                        .process(&announce, &outbox, entry, &Delivery::default())
+                        .await;
+                    assert!(done.is_ok(), "{key}: {done:?}");
+                }
+                // The savepoint's row was written at once, the others when the handler returned.
+                assert_eq!(
+                    payloads(&db.pool).await,
+                    [
+                        "one-0", "many-0", "many-1", "many-2", "sp-kept", "sp-0", "sp-1"
+                    ]
+                );
+                // A duplicate writes nothing.
+                let again = inbox
+                    .process(
+                        &announce,
+                        &outbox,
+                        Entry::new("many", 0, 3),
+                        &Delivery::default(),
+                    )
+                    .await;
+                assert!(again.is_ok(), "{again:?}");
+                assert_eq!(payloads(&db.pool).await.len(), 7);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_row_after_the_transaction_ended_is_not_committed() {
+                let (db, inbox, outbox) = setup().await;
+                // One row (MySQL writes it with `INSERT .. VALUES`) and two.
+                for rows in [1, 2] {
+                    let entry = Entry::new(ENDS, 0, rows);
+                    let err = inbox
+                        .process(&announce, &outbox, entry, &Delivery::default())
+                        .await
+                        .expect_err("a transaction that ended under the handler must not commit");
+                    assert!(
+                        matches!(err, ProcessError::TransactionEnded { .. }),
+                        "{rows}: {err}"
+                    );
+                }
+                assert!(payloads(&db.pool).await.is_empty());
+                assert_eq!(
+                    <$backend>::count(&db, "SELECT count(*) FROM inbox").await,
+                    0
+                );
+            }
+
+            /// On PostgreSQL the insert fails in the aborted transaction (redelivered, nothing
+            /// committed); elsewhere the transaction goes on, and the row commits.
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_swallowed_error_before_the_row() {
+                let (db, inbox, outbox) = setup().await;
+                let entry = Entry::new(SWALLOWS, 0, 1);
+                let done = inbox
+                    .process(&announce, &outbox, entry, &Delivery::default())
+                    .await;
+                let inbox_rows = <$backend>::count(&db, "SELECT count(*) FROM inbox").await;
+                if $aborts {
+                    let err = done.expect_err("an aborted transaction must not be acked");
+                    assert!(matches!(err, ProcessError::Database { .. }), "{err}");
+                    assert!(payloads(&db.pool).await.is_empty());
+                    assert_eq!(inbox_rows, 0);
+                } else {
+                    assert!(done.is_ok(), "{done:?}");
+                    assert_eq!(payloads(&db.pool).await, ["swallow-0"]);
+                    assert_eq!(inbox_rows, 1);
+                }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_batch_commits_every_messages_rows() {
+                let (db, inbox, outbox) = setup().await;
+                let nats = NatsStream::create().await;
+                let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+                let entries: Vec<Entry> =
+                    (0..6).map(|i| Entry::new(format!("b{i}"), 0, 2)).collect();
+                nats.publish_all(entries.iter().map(Entry::json)).await;
+                let worker = nats
+                    .worker(inbox, consumer)
+                    .concurrency(1)
+                    .batch(16, Duration::from_millis(500))
+                    .build_with_state(announce, outbox.clone())
+                    .unwrap();
+                let run = Running::start(&worker);
+                wait_until("every message acked", Duration::from_secs(60), async || {
+                    worker.stats().acked == entries.len() as u64
+                })
+                .await
+                .unwrap();
+                let stats = run.stop().await;
+                let mut expected = Vec::new();
+                for i in 0..6 {
+                    expected.push(format!("b{i}-0"));
+                    expected.push(format!("b{i}-1"));
+                }
+                assert_eq!(payloads(&db.pool).await, expected, "{stats:?}");
+            }
+        }
+    };
+}
+
+ride_with_the_marker!(postgres, Postgres, sqlx::Postgres, true);
+ride_with_the_marker!(mysql, MySql, sqlx::MySql, false);
+ride_with_the_marker!(sqlite, Sqlite, sqlx::Sqlite, false);
