@@ -179,7 +179,9 @@ impl<DB: InboxBackend> Outbox<DB> {
     /// insert ends the message's try after the handler, not inside it, and the handler does
     /// not see the row in the table. A row written in a savepoint the handler opens
     /// (`tx.begin()`) is written at once, to go with it if it is rolled back: it then comes
-    /// before the held rows of the same order key. Elsewhere the row is written at once.
+    /// before the held rows of the same order key. A savepoint opened with raw SQL is not seen:
+    /// a row held inside it is written even if the handler rolls back to it. Elsewhere the row
+    /// is written at once.
     pub async fn enqueue(
         &self,
         tx: &mut Transaction<'_, DB>,

@@ -114,9 +114,24 @@ pub(crate) fn hold<T>(tx: &T, row: HeldRow) -> Option<HeldRow> {
 
 /// The most rows one statement inserts (8 parameters each).
 const CHUNK: usize = 100;
+/// The most bytes of payload and headers one statement carries (one row at least): well under
+/// MariaDB's default `max_allowed_packet` (16 MiB), which a statement over it fails, and drops
+/// the connection.
+const CHUNK_BYTES: usize = 4 << 20;
+
+/// How many of `rows` (at least one) go in one statement: the first's table, at most
+/// [`CHUNK`] rows and [`CHUNK_BYTES`] bytes.
+fn chunk_len(rows: &[HeldRow]) -> usize {
+    let mut bytes = 0;
+    let fits = rows.iter().take(CHUNK).take_while(|r| {
+        bytes += r.payload.len() + r.headers.len();
+        r.table == rows[0].table && bytes <= CHUNK_BYTES
+    });
+    fits.count().max(1)
+}
 
 /// Inserts `rows` on `conn` if the marker `(id, consumer, key)` is there, a statement per
-/// table and per [`CHUNK`] rows, in their order. `Ok(false)`: the marker is not there (the
+/// table and per [`CHUNK`] rows or [`CHUNK_BYTES`] bytes, in their order. `Ok(false)`: the marker is not there (the
 /// transaction ended under the handler), and no row was inserted by the statement that found it
 /// so.
 pub(crate) async fn insert_if_marked<DB: InboxBackend>(
@@ -128,11 +143,7 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
     let mut start = 0;
     while start < rows.len() {
         let table = &rows[start].table;
-        let same = rows[start..]
-            .iter()
-            .take(CHUNK)
-            .take_while(|r| &r.table == table)
-            .count();
+        let same = chunk_len(&rows[start..]);
         let chunk: Vec<NewOutboxRow<'_>> = rows[start..start + same]
             .iter()
             .map(HeldRow::new_row)
@@ -195,6 +206,23 @@ mod tests {
         let outside = open(&ours);
         assert!(hold(&ours, row("outbox", "h")).is_some());
         assert!(outside.take().is_empty());
+    }
+
+    #[test]
+    fn a_statement_takes_one_table_and_a_bounded_size() {
+        let sized = |table: &str, bytes: usize| HeldRow {
+            payload: vec![0; bytes],
+            ..row(table, "x")
+        };
+        let mb = 1 << 20;
+        let rows = [sized("a", mb), sized("a", mb), sized("b", 1), sized("a", 1)];
+        assert_eq!(chunk_len(&rows), 2);
+        assert_eq!(chunk_len(&rows[2..]), 1);
+        let big = [sized("a", 3 * mb), sized("a", 2 * mb)];
+        assert_eq!(chunk_len(&big), 1);
+        assert_eq!(chunk_len(&[sized("a", 9 * mb)]), 1, "one row at least");
+        let many: Vec<HeldRow> = (0..250).map(|_| sized("a", 10)).collect();
+        assert_eq!(chunk_len(&many), CHUNK);
     }
 
     #[cfg(feature = "postgres")]
