@@ -325,26 +325,31 @@ impl<DB: InboxBackend> Inbox<DB> {
         };
         // The marker, inserted by this transaction and seen by no other, can only be gone
         // with the transaction itself.
-        let gone = if !held.is_empty() {
-            // The handler's outbox rows, inserted where the marker is: the lookup's answer.
-            let marked = (marker.id, marker.consumer, key);
-            let insert = held::insert_if_marked::<DB>(conn, self.table(), &held, marked);
-            !insert.await.map_err(failed)?
-        } else if marker.finished {
+        // The handler's outbox rows, written where the marker is: whether it was found.
+        let found = match held.is_empty() {
+            true => None,
+            false => {
+                let marked = (marker.id, marker.consumer, key);
+                let insert = held::insert_if_marked::<DB>(conn, self.table(), &held, marked);
+                Some(insert.await.map_err(failed)?)
+            }
+        };
+        let gone = match (found, marker.finished) {
+            (Some(false), _) => true,
+            // Found by the rows' insert: the lookup's answer already.
+            (Some(true), true) => false,
             // The key's finished marker as this transaction sees it: its own while it holds
             // it; after a rollback, none, or a twin's committed since (another id, unless
             // SQLite gave it the rolled-back row's).
-            let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
-            done.await.map_err(failed)? != Some(marker.id)
-        } else {
-            false
-        };
-        let gone = if gone || marker.finished {
-            gone
-        } else {
-            let hash = delivery.payload_hash.as_deref();
-            let finish = DB::execute_finish(conn, self.sql.finish.clone(), marker.id, hash);
-            DB::rows_affected(&finish.await.map_err(failed)?) == 0
+            (None, true) => {
+                let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
+                done.await.map_err(failed)? != Some(marker.id)
+            }
+            (_, false) => {
+                let hash = delivery.payload_hash.as_deref();
+                let finish = DB::execute_finish(conn, self.sql.finish.clone(), marker.id, hash);
+                DB::rows_affected(&finish.await.map_err(failed)?) == 0
+            }
         };
         match gone {
             true => Err(ProcessError::TransactionEnded {
