@@ -9,7 +9,9 @@
 //!   committed, since the insert found no marker;
 //! - a handler that swallows a failed statement's error and then writes a row: on PostgreSQL,
 //!   whose transaction is aborted, the insert fails and nothing commits;
-//! - through a worker, batched, every message's rows commit, in each message's order.
+//! - through a worker, batched, every message's rows commit, in each message's order;
+//! - all of it on PostgreSQL's partitioned inbox too, whose markers are finished after the
+//!   rows' insert.
 
 use inbox_runtime::{Delivery, Inbox, Outbox, OutboxMessage, ProcessError, Tx, idempotent};
 use inbox_testkit::wait_until;
@@ -26,7 +28,10 @@ const ENDS: &str = "end";
 const SWALLOWS: &str = "swallow";
 
 macro_rules! ride_with_the_marker {
-    ($name:ident, $backend:ty, $db:ty, $aborts:literal) => {
+    ($name:ident, $backend:ty, $db:ty, $aborts:literal, $inbox:expr) => {
+        ride_with_the_marker!($name, $backend, $db, $aborts, $inbox, "held");
+    };
+    ($name:ident, $backend:ty, $db:ty, $aborts:literal, $inbox:expr, $consumer:literal) => {
         mod $name {
             use super::*;
 
@@ -45,7 +50,7 @@ macro_rules! ride_with_the_marker {
             /// Writes `amount` rows `<key>-<i>`; for account 1, then one in a savepoint rolled
             /// back (`-dropped`) and one in a savepoint released (`-kept`); for [`ENDS`], rolls
             /// its transaction back first.
-            #[idempotent(consumer = "held", key = msg.key)]
+            #[idempotent(consumer = $consumer, key = msg.key)]
             async fn announce(
                 msg: Entry,
                 tx: &mut Tx<$db>,
@@ -85,7 +90,7 @@ macro_rules! ride_with_the_marker {
                 Outbox<$db>,
             ) {
                 let db = <$backend>::create(4).await;
-                let inbox = Inbox::new(db.pool.clone());
+                let inbox: Inbox<$db> = $inbox(db.pool.clone());
                 inbox.migrate().await.expect("migrate the inbox");
                 let outbox = Outbox::new(db.pool.clone());
                 outbox.migrate().await.expect("migrate the outbox");
@@ -109,6 +114,10 @@ macro_rules! ride_with_the_marker {
                         "one-0", "many-0", "many-1", "many-2", "sp-kept", "sp-0", "sp-1"
                     ]
                 );
+                // Every marker is finished (on the partitioned inbox, by its update after the
+                // rows' insert).
+                let open = "SELECT count(*) FROM inbox WHERE processed_at IS NULL";
+                assert_eq!(<$backend>::count(&db, open).await, 0, "unfinished markers");
                 // A duplicate writes nothing.
                 let again = inbox
                     .process(
@@ -198,6 +207,16 @@ macro_rules! ride_with_the_marker {
     };
 }
 
-ride_with_the_marker!(postgres, Postgres, sqlx::Postgres, true);
-ride_with_the_marker!(mysql, MySql, sqlx::MySql, false);
-ride_with_the_marker!(sqlite, Sqlite, sqlx::Sqlite, false);
+ride_with_the_marker!(postgres, Postgres, sqlx::Postgres, true, Inbox::new);
+// Its markers are claimed unfinished: the rows' insert, then the `processed_at` update.
+ride_with_the_marker!(
+    postgres_partitioned,
+    Postgres,
+    sqlx::Postgres,
+    true,
+    |pool| Inbox::new(pool).partitioned(inbox_runtime::Partitions::daily()),
+    // A consumer of its own: one process's workers take a consumer name per inbox table.
+    "held_partitioned"
+);
+ride_with_the_marker!(mysql, MySql, sqlx::MySql, false, Inbox::new);
+ride_with_the_marker!(sqlite, Sqlite, sqlx::Sqlite, false, Inbox::new);
