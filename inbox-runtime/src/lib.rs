@@ -55,8 +55,9 @@ pub use layout::Partitions;
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use outbox::Hook as RelayHook;
 pub use outbox::{
-    DEFAULT_RETENTION as DEFAULT_OUTBOX_RETENTION, InvalidMessage, Outbox, OutboxMessage, Relay,
-    RelayError, RelayStats,
+    DEFAULT_RETENTION as DEFAULT_OUTBOX_RETENTION, InvalidMessage,
+    MAX_SUBJECT_LEN as MAX_OUTBOX_SUBJECT_LEN, Outbox, OutboxMessage, Relay, RelayError,
+    RelayStats,
 };
 pub use replay::{REPLAY_CONSUMER, REPLAY_KEY};
 pub use store::{CleanupError, Inbox, RetentionFloor, retention_floor};

@@ -6,6 +6,15 @@ use std::str::FromStr;
 /// The longest message id and order key the outbox stores.
 pub const MAX_ID_LEN: usize = 255;
 
+/// The longest subject, in bytes, the outbox takes. A publish's subject travels in the
+/// protocol's control line (`HPUB <subject> <reply> <sizes>`), which nats-server caps at its
+/// `max_control_line` (4,096 bytes unless configured): over it, the server answers `maximum
+/// control line exceeded` and closes the connection, with every publish, ack and pull on it.
+/// This leaves 256 bytes of the default for the PubAck's reply subject and the sizes.
+pub const MAX_SUBJECT_LEN: usize = 4096 - 256;
+// The number `publish_subject`'s refusal names.
+const _: () = assert!(MAX_SUBJECT_LEN == 3840);
+
 /// A message to publish through an [`Outbox`](crate::Outbox): its subject, payload and headers, and optionally
 /// its id and ordering key.
 ///
@@ -25,7 +34,7 @@ pub struct OutboxMessage {
 }
 
 impl OutboxMessage {
-    /// A message of `payload` to `subject`.
+    /// A message of `payload` to `subject` (at most [`MAX_SUBJECT_LEN`] bytes).
     pub fn new(subject: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
         OutboxMessage {
             subject: subject.into(),
@@ -133,9 +142,15 @@ pub(crate) fn header_value_ok(value: &str) -> bool {
 }
 
 /// Why NATS would refuse `subject` as a publish subject.
-fn publish_subject(subject: &str) -> Result<(), &'static str> {
+pub(crate) fn publish_subject(subject: &str) -> Result<(), &'static str> {
     if subject.is_empty() {
         return Err("it is empty");
+    }
+    if subject.len() > MAX_SUBJECT_LEN {
+        return Err(
+            "it is longer than 3,840 bytes (MAX_SUBJECT_LEN): over nats-server's max_control_line, \
+             a publish to it closes the connection",
+        );
     }
     if subject
         .bytes()
@@ -230,6 +245,14 @@ mod tests {
         assert_eq!(m.check(), Err(InvalidMessage::MsgId));
         let m = ok.clone().msg_id("");
         assert!(matches!(m.check(), Err(InvalidMessage::Length { .. })));
+        let longest = format!("a.{}", "b".repeat(MAX_SUBJECT_LEN - 2));
+        assert_eq!(OutboxMessage::new(&longest, Vec::new()).check(), Ok(()));
+        let m = OutboxMessage::new(format!("{longest}b"), Vec::new());
+        assert!(
+            matches!(&m.check(), Err(InvalidMessage::Subject { why, .. }) if why.contains("max_control_line")),
+            "{:?}",
+            m.check()
+        );
         let m = ok.clone().order_key("k".repeat(256));
         assert!(matches!(
             m.check(),

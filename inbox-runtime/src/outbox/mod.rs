@@ -26,7 +26,7 @@ mod streams;
 
 pub use crate::backend::FailedRow;
 pub use error::RelayError;
-pub use message::{InvalidMessage, OutboxMessage};
+pub use message::{InvalidMessage, MAX_SUBJECT_LEN, OutboxMessage};
 #[cfg(feature = "test-util")]
 pub use relay::Hook;
 pub use relay::{DEFAULT_RETENTION, Relay, RelayStats};

@@ -15,7 +15,7 @@
 //! Then the cleanup of sent rows, under the fleet lock.
 
 use super::error::RelayError;
-use super::message::header_value_ok;
+use super::message::{header_value_ok, publish_subject};
 use super::relay::Relay;
 use super::statements::OutboxStatements;
 use super::streams::Checks;
@@ -204,7 +204,8 @@ impl<DB: InboxBackend> Relay<DB> {
         // Each subject's stream, checked once (and again after CHECK_TTL).
         let mut streams = HashMap::new();
         for row in keys.values().flatten() {
-            if !streams.contains_key(&row.subject) {
+            // A subject NATS would refuse is refused below, before any lookup.
+            if !streams.contains_key(&row.subject) && publish_subject(&row.subject).is_ok() {
                 let stream = checks.stream_for(js, &row.subject, self.retention).await;
                 streams.insert(row.subject.clone(), stream);
             }
@@ -218,6 +219,13 @@ impl<DB: InboxBackend> Relay<DB> {
                 let mut failed = None;
                 for OutboxRow { id, msg_id, subject, order_key, headers, payload } in rows {
                     if Instant::now() >= deadline {
+                        break;
+                    }
+                    // Written by another writer: a publish to it would close the connection
+                    // (a subject over `max_control_line`), or never be sent.
+                    if let Err(why) = publish_subject(&subject) {
+                        let error = format!("subject is not valid in NATS: {why}");
+                        failed = Some(FailedSend { id, msg_id, subject, order_key, error });
                         break;
                     }
                     let stream = match &streams[&subject] {

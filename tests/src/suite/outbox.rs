@@ -18,6 +18,9 @@
 //!   `max_payload`; a subject no stream takes, more of them than a pass takes) neither panic the
 //!   relay nor stall the other keys: the refused ones are kept as failed, holding back their
 //!   key, and `enqueue` refuses such messages up front;
+//! - a subject over nats-server's `max_control_line` (written by another writer) is kept as
+//!   failed, never published (a publish to it would close the connection), and `enqueue`
+//!   refuses one over `MAX_OUTBOX_SUBJECT_LEN`, where the longest it takes is relayed;
 //! - a relay that panics is started again by the App, whose workers go on;
 //! - a relay that stops ends its turn (SQLite's lease): the next one takes over at once;
 //! - a pass loads no more payload bytes than its budget (`Relay::max_bytes`), one row at least;
@@ -968,6 +971,100 @@ async fn rows_marked_before_a_failed_record_are_counted<B: TestBackend>() {
     assert_eq!(stats.failed, 0, "{stats:?}");
 }
 
+/// The test.
+async fn a_subject_over_the_control_line_is_refused_and_the_connection_kept<B: TestBackend>() {
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    // The stream takes the subjects below its own, however long.
+    let events = Events::create_with(&nats.js, |mut c| {
+        let below = format!("{}.>", c.subjects[0]);
+        c.subjects.push(below);
+        c
+    })
+    .await;
+    let under = |len: usize| {
+        let prefix = format!("{}.", events.subject);
+        format!("{prefix}{}", "x".repeat(len - prefix.len()))
+    };
+    let longest = under(inbox_runtime::MAX_OUTBOX_SUBJECT_LEN);
+    let mut tx = outbox.pool().begin().await.unwrap();
+    let over = OutboxMessage::new(under(longest.len() + 1), b"over".to_vec());
+    let refused = outbox.enqueue(&mut tx, over).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("max_control_line"),
+        "{refused}"
+    );
+    drop(tx);
+    // Written by another writer: a subject no server with the default `max_control_line` takes
+    // (4,096 bytes), with a later row of its key behind it.
+    let forged = commit(
+        &outbox,
+        [
+            OutboxMessage::new(format!("{}.short", events.subject), b"forged".to_vec())
+                .order_key("long"),
+            OutboxMessage::new(&*events.subject, b"after forged".to_vec()).order_key("long"),
+        ],
+    )
+    .await;
+    let sql = format!(
+        "UPDATE outbox SET subject = '{}' WHERE msg_id = '{}'",
+        under(4500),
+        forged[0]
+    );
+    B::exec(&db, Box::leak(sql.into_boxed_str())).await;
+    commit(
+        &outbox,
+        [
+            OutboxMessage::new(&*longest, b"longest".to_vec()).order_key("longest"),
+            OutboxMessage::new(&*events.subject, b"good".to_vec()).order_key("g"),
+        ],
+    )
+    .await;
+    let connects = || {
+        let stats = nats.js.client().statistics();
+        stats.connects.load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let connected = connects();
+    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(100));
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("the longest subject and the good row", DEADLINE, || async {
+        events.count().await == 2
+    })
+    .await
+    .unwrap();
+    wait_until("the forged row to be kept as failed", DEADLINE, || async {
+        outbox.failed(10).await.unwrap().len() == 1
+    })
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.expect("the relay never panicked");
+    assert_eq!((stats.published, stats.failed), (2, 1), "{stats:?}");
+    let mut stored: Vec<Vec<u8>> = events
+        .messages()
+        .await
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect();
+    stored.sort();
+    assert_eq!(stored, [b"good".to_vec(), b"longest".to_vec()]);
+    let failed = outbox.failed(10).await.unwrap();
+    assert_eq!(failed[0].order_key, "long");
+    assert!(
+        failed[0].error.contains("max_control_line"),
+        "{:?}",
+        failed[0].error
+    );
+    assert_eq!(
+        connects(),
+        connected,
+        "the NATS connection was closed and made again"
+    );
+    // The forged row and the row of its key behind it.
+    assert_eq!(outbox.pending().await.unwrap().0, 2);
+}
+
 super::behaviours!(
     handler_that_fails_after_publishing_publishes_nothing,
     commit_wakes_the_relay,
@@ -977,6 +1074,7 @@ super::behaviours!(
     relay_refuses_streams_it_cannot_relay_to_safely,
     cleanup_deletes_sent_rows_after_the_retention,
     refused_rows_neither_panic_the_relay_nor_stall_other_keys,
+    a_subject_over_the_control_line_is_refused_and_the_connection_kept,
     a_relay_that_panics_is_started_again_and_the_workers_go_on,
     a_relay_that_stops_lets_the_next_one_take_over_at_once,
     a_pass_loads_no_more_than_its_byte_budget,
