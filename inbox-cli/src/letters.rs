@@ -360,6 +360,17 @@ impl Letters {
             (None, Some(original)) => original.subject.to_string(),
             (None, None) => return Err("it does not name its subject".into()),
         };
+        // Its original may have come without a reply subject, where a replay has one (for its
+        // PubAck): the control line would pass nats-server's `max_control_line`, and the server
+        // would close the connection, every later letter's publish with it.
+        if subject.len() > inbox_runtime::MAX_OUTBOX_SUBJECT_LEN {
+            return Err(format!(
+                "its subject is {} bytes, over the {} a publish can carry within nats-server's \
+                 default max_control_line (4,096 bytes); publish it again by hand",
+                subject.len(),
+                inbox_runtime::MAX_OUTBOX_SUBJECT_LEN
+            ));
+        }
         let (source, payload) = match (&original, truncated) {
             (Some(original), true) => (&original.headers, original.payload.clone()),
             _ => (&letter.headers, letter.payload.clone()),

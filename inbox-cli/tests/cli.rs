@@ -470,6 +470,55 @@ async fn the_other_commands_do_what_they_say<B: TestBackend>() {
             .unwrap()
             .is_empty()
     );
+
+    // A letter of a message published without a reply subject to a subject of 4,080 bytes,
+    // which nats-server takes (`PUB <subject> 2` is under 4,096 bytes): its replay, which waits
+    // for a PubAck, would pass the limit. It is refused and kept, and no replay was published.
+    let long = format!(
+        "{}.{}",
+        nats.subject,
+        "x".repeat(4080 - nats.subject.len() - 1)
+    );
+    let headers = format!(
+        r#"[["Inbox-Error","handler failed: long"],["Inbox-Consumer","ledger"],["Inbox-Stream","{}"],["Inbox-Stream-Seq","4"],["Inbox-Subject","{long}"],["Inbox-Key","long-1"]]"#,
+        nats.stream
+    );
+    exec::<B>(&db, format!(
+        "INSERT INTO inbox_dead_letters (consumer, headers, payload) VALUES ('ledger', '{headers}', {payload})"
+    )).await;
+    let sent = ok(inbox(&db, &nats, &["parked", "retry"]));
+    assert!(sent.contains("published 1 parked letters"), "{sent}");
+    // The stream takes the long subject too, so that only the limit stands in the way.
+    let mut config = nats
+        .js
+        .get_stream(&nats.stream)
+        .await
+        .unwrap()
+        .cached_info()
+        .config
+        .clone();
+    config.subjects.push(format!("{}.>", nats.subject));
+    nats.js
+        .update_stream(config)
+        .await
+        .expect("the stream takes the long subject");
+    let messages = async || {
+        let mut stream = nats.js.get_stream(&nats.stream).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    };
+    let stored = messages().await;
+    fails(
+        inbox(&db, &nats, &["dlq", "replay", "--all"]),
+        "over the 3840 a publish can carry",
+    );
+    assert_eq!(messages().await, stored, "a replay was published");
+    let letters = json(inbox(&db, &nats, &["dlq", "list", "--json"]));
+    assert_eq!(
+        letters.as_array().unwrap().len(),
+        1,
+        "the letter is kept: {letters}"
+    );
+    assert_eq!(letters[0]["subject"], long.as_str());
 }
 
 inbox_tests::on_all_backends!(
