@@ -151,7 +151,7 @@ impl<H: Handler> Inner<H> {
             };
             while let Some(advisory) = batch.next().await {
                 match advisory {
-                    Ok(advisory) => self.backstop_one(&advisory).await,
+                    Ok(advisory) => self.backstop_one(&advisory, stream, durable).await,
                     Err(e) => return e,
                 }
             }
@@ -159,7 +159,9 @@ impl<H: Handler> Inner<H> {
     }
 
     /// Handles one advisory message: acked once handled, nak'd (to be tried again) on failure.
-    async fn backstop_one(&self, message: &jetstream::Message) {
+    /// Its body must name `stream` and `durable`, which its subject names: anyone may publish
+    /// to that subject, and the names and the sequence are the body's.
+    async fn backstop_one(&self, message: &jetstream::Message, stream: &str, durable: &str) {
         let advisory: Advisory = match serde_json::from_slice(&message.payload) {
             Ok(a) => a,
             Err(e) => {
@@ -170,6 +172,20 @@ impl<H: Handler> Inner<H> {
                 return;
             }
         };
+        // Not the server's advisory for this consumer: another stream's sequence would have
+        // that stream's message dead-lettered, and a name no API subject carries (too long)
+        // would have the server close the connection at each try.
+        if advisory.stream != stream || advisory.consumer != durable {
+            tracing::warn!(
+                consumer = H::CONSUMER,
+                subject = %message.subject,
+                "a delivery-limit advisory whose body names another stream or consumer than its subject; ignored"
+            );
+            if let Err(e) = message.ack().await {
+                tracing::debug!(error = %e, "acking a foreign advisory failed");
+            }
+            return;
+        }
         // Every line logged for this advisory names its consumer, stream and sequence.
         let span = tracing::info_span!(
             "inbox.backstop",

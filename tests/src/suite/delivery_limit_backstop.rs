@@ -432,10 +432,47 @@ async fn a_dead_pull_connection_makes_the_app_unhealthy<B: TestBackend>() {
     running.await.unwrap().unwrap();
 }
 
+/// Advisories anyone could publish on this consumer's advisory subject, whose bodies name
+/// another stream: one whose message the backstop would dead-letter under this consumer, and
+/// one too long for a JetStream API subject (the server would close the connection at every
+/// try). Both are acked and ignored: no letter, nothing left pending.
+async fn forged_advisories_naming_another_stream_are_ignored<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    nats.consumer_with("c", Duration::from_secs(1), 1).await;
+    advisory_stream_made::<B>(&nats, &inbox, "c").await;
+    let victim = NatsStream::create().await;
+    victim.publish_all([Entry::new("v-1", 1, 5).json()]).await;
+    let subject = format!(
+        "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{}.c",
+        nats.stream
+    );
+    for stream in [victim.stream.clone(), format!("S{}", "x".repeat(5000))] {
+        let body = serde_json::json!({
+            "type": "io.nats.jetstream.advisory.v1.max_deliver",
+            "id": "forged",
+            "stream": stream,
+            "consumer": "c",
+            "stream_seq": 1,
+            "deliveries": 1,
+        });
+        let body = serde_json::to_vec(&body).unwrap();
+        let ack = nats.js.publish(subject.clone(), body.into()).await.unwrap();
+        ack.await
+            .expect("the advisory stream stores the forged advisory");
+    }
+    let (_, run) = instance::<B>(&nats, &inbox, "c").await;
+    backstop_drained(&nats, "c", 2).await;
+    run.stop().await;
+    assert!(nats.dead_letters().await.is_empty(), "no letter");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 0);
+}
+
 super::behaviours!(
     a_death_on_the_last_delivery_is_dead_lettered_once,
     committed_but_unacked_on_the_last_delivery_is_not_dead_lettered,
     unreadable_headers_are_dead_lettered,
     an_advisory_of_an_earlier_consumer_is_ignored,
+    forged_advisories_naming_another_stream_are_ignored,
     a_dead_pull_connection_makes_the_app_unhealthy,
 );
