@@ -56,8 +56,8 @@ pub use layout::Partitions;
 pub use outbox::Hook as RelayHook;
 pub use outbox::{
     DEFAULT_RETENTION as DEFAULT_OUTBOX_RETENTION, InvalidMessage,
-    MAX_SUBJECT_LEN as MAX_OUTBOX_SUBJECT_LEN, Outbox, OutboxMessage, Relay, RelayError,
-    RelayStats,
+    MAX_HEADERS_LEN as MAX_OUTBOX_HEADERS_LEN, MAX_SUBJECT_LEN as MAX_OUTBOX_SUBJECT_LEN, Outbox,
+    OutboxMessage, Relay, RelayError, RelayStats,
 };
 pub use replay::{REPLAY_CONSUMER, REPLAY_KEY};
 pub use store::{CleanupError, Inbox, RetentionFloor, retention_floor};

@@ -12,6 +12,14 @@ pub const MAX_ID_LEN: usize = 255;
 /// control line exceeded` and closes the connection, with every publish, ack and pull on it.
 /// This leaves 256 bytes of the default for the PubAck's reply subject and the sizes.
 pub const MAX_SUBJECT_LEN: usize = 4096 - 256;
+
+/// The largest header block, in bytes, the outbox takes for a message, `Nats-Msg-Id`
+/// included: JetStream refuses a header block over 65,535 bytes for good, and this leaves room
+/// for the `Nats-Expected-Stream` header the relay adds (a stream name is at most 255 bytes).
+pub const MAX_HEADERS_LEN: usize = 65_535 - 300;
+
+/// The headers that set a publish's expectations, which are the relay's to set.
+const EXPECTED: &str = "Nats-Expected-";
 // The number `publish_subject`'s refusal names.
 const _: () = assert!(MAX_SUBJECT_LEN == 3840);
 
@@ -100,6 +108,12 @@ impl OutboxMessage {
             if name.eq_ignore_ascii_case("Nats-Msg-Id") {
                 return Err(InvalidMessage::MsgIdHeader);
             }
+            // A publish's expectations are the relay's: one of the stream's last sequence or
+            // message id fails for good once the stream moves on, a row published again too.
+            if name.len() >= EXPECTED.len() && name[..EXPECTED.len()].eq_ignore_ascii_case(EXPECTED)
+            {
+                return Err(InvalidMessage::ExpectedHeader(name.clone()));
+            }
         }
         if let Some(id) = &self.msg_id
             && !header_value_ok(id)
@@ -123,10 +137,16 @@ impl OutboxMessage {
     /// `Nats-Expected-Stream` header the relay adds: at most what NATS counts against
     /// `max_payload`, less that header.
     pub(crate) fn wire_size(&self, msg_id: &str) -> usize {
+        self.header_size(msg_id) + self.payload.len()
+    }
+
+    /// Its header block's size on the wire, `Nats-Msg-Id` included, without the
+    /// `Nats-Expected-Stream` header the relay adds.
+    pub(crate) fn header_size(&self, msg_id: &str) -> usize {
         // "NATS/1.0\r\n", each "name: value\r\n", the closing "\r\n".
         let header = |name: &str, value: &str| name.len() + value.len() + 4;
         let headers: usize = self.headers.iter().map(|(n, v)| header(n, v)).sum();
-        10 + headers + header("Nats-Msg-Id", msg_id) + 2 + self.payload.len()
+        10 + headers + header("Nats-Msg-Id", msg_id) + 2
     }
 }
 
@@ -208,6 +228,23 @@ pub enum InvalidMessage {
         /// The server's `max_payload`.
         max: usize,
     },
+    /// A `Nats-Expected-*` header: what a publish expects of the stream is the relay's to set
+    /// (an expectation of its last sequence or message id fails for good once the stream moves
+    /// on, and would hold back the row's key for ever).
+    #[error(
+        "outbox message header {0:?} sets a publish's expectation, which is the relay's to set"
+    )]
+    ExpectedHeader(String),
+    /// A header block larger than JetStream takes.
+    #[error(
+        "outbox message headers are {size} bytes on the wire, over the {max} JetStream takes with the relay's own"
+    )]
+    HeadersTooLarge {
+        /// Its header block's size on the wire.
+        size: usize,
+        /// [`MAX_HEADERS_LEN`].
+        max: usize,
+    },
     /// A message id or order key empty or too long.
     #[error("outbox message {what} is {len} bytes: it must be 1 to 255")]
     Length {
@@ -239,6 +276,10 @@ mod tests {
         }
         let m = ok.clone().header("X", "a\r\nb");
         assert_eq!(m.check(), Err(InvalidMessage::HeaderValue("X".into())));
+        for name in ["Nats-Expected-Last-Sequence", "nats-expected-last-msg-id"] {
+            let m = ok.clone().header(name, "1");
+            assert_eq!(m.check(), Err(InvalidMessage::ExpectedHeader(name.into())));
+        }
         let m = ok.clone().header("nats-msg-id", "x");
         assert_eq!(m.check(), Err(InvalidMessage::MsgIdHeader));
         let m = ok.clone().msg_id("a\r\nX-Forged: 1");

@@ -26,7 +26,7 @@ mod streams;
 
 pub use crate::backend::FailedRow;
 pub use error::RelayError;
-pub use message::{InvalidMessage, MAX_SUBJECT_LEN, OutboxMessage};
+pub use message::{InvalidMessage, MAX_HEADERS_LEN, MAX_SUBJECT_LEN, OutboxMessage};
 #[cfg(feature = "test-util")]
 pub use relay::Hook;
 pub use relay::{DEFAULT_RETENTION, Relay, RelayStats};
@@ -193,6 +193,11 @@ impl<DB: InboxBackend> Outbox<DB> {
             Some(id) => id.clone(),
             None => nuid::next().to_string(),
         };
+        let headers = message.header_size(&msg_id);
+        if headers > MAX_HEADERS_LEN {
+            let (size, max) = (headers, MAX_HEADERS_LEN);
+            return Err(refuse(InvalidMessage::HeadersTooLarge { size, max }));
+        }
         let max = self.inner.max_payload.load(Ordering::Relaxed);
         let size = message.wire_size(&msg_id);
         if max > 0 && size > max {

@@ -416,16 +416,34 @@ async fn publish_one(
             _ => Refusal::Later(e.into()),
         })?;
     let ack = ack.await.map_err(|e| {
-        // The stream's own limit (`max_msg_size`): it will never take this row as it is.
-        let too_large = std::error::Error::source(&e)
+        let code = std::error::Error::source(&e)
             .and_then(|s| s.downcast_ref::<jetstream::Error>())
-            .is_some_and(|s| {
-                s.error_code() == jetstream::ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM
-            });
-        match too_large {
-            true => Refusal::ForGood(e.to_string()),
-            false => Refusal::Later(e.into()),
+            .map(|s| s.error_code());
+        match code {
+            Some(code) if refused_for_good(code) => Refusal::ForGood(e.to_string()),
+            _ => Refusal::Later(e.into()),
         }
     })?;
     Ok(ack.duplicate)
+}
+
+/// Whether JetStream refused a row with `code` for good: it will never take the row as it is
+/// (written by another writer or an older version, or with headers `enqueue` let through),
+/// and trying it again at every pass would hold back its key's later rows for ever.
+fn refused_for_good(code: jetstream::ErrorCode) -> bool {
+    use jetstream::ErrorCode as E;
+    [
+        // Over the stream's `max_msg_size`.
+        E::STREAM_MESSAGE_EXCEEDS_MAXIMUM,
+        // A header block over 64 KiB.
+        E::STREAM_HEADER_EXCEEDS_MAXIMUM,
+        // `Nats-Expected-Last-Msg-Id`, `Nats-Expected-Last-(Subject-)Sequence` not met: the
+        // stream only moves on.
+        E::STREAM_WRONG_LAST_MESSAGE_ID,
+        E::STREAM_WRONG_LAST_SEQUENCE,
+        E::STREAM_WRONG_LAST_SEQUENCE_CONSTANT,
+        // `Nats-Rollup` on a stream that does not allow it, or a bad one.
+        E::STREAM_ROLLUP_FAILED,
+    ]
+    .contains(&code)
 }

@@ -21,6 +21,9 @@
 //! - a subject over nats-server's `max_control_line` (written by another writer) is kept as
 //!   failed, never published (a publish to it would close the connection), and `enqueue`
 //!   refuses one over `MAX_OUTBOX_SUBJECT_LEN`, where the longest it takes is relayed;
+//! - rows JetStream refuses for good at the PubAck (an expectation header the stream does not
+//!   meet, a header block over 64 KiB) are kept as failed, not tried at every pass, and
+//!   `enqueue` refuses such headers up front;
 //! - a relay that panics is started again by the App, whose workers go on;
 //! - a relay that stops ends its turn (SQLite's lease): the next one takes over at once;
 //! - a pass loads no more payload bytes than its budget (`Relay::max_bytes`), one row at least;
@@ -1065,6 +1068,74 @@ async fn a_subject_over_the_control_line_is_refused_and_the_connection_kept<B: T
     assert_eq!(outbox.pending().await.unwrap().0, 2);
 }
 
+/// The test.
+async fn rows_jetstream_refuses_for_good_are_kept_failed<B: TestBackend>() {
+    let Relaying {
+        db,
+        outbox,
+        nats,
+        events,
+    } = relaying::<B>().await;
+    let subject = &*events.subject;
+    let mut tx = outbox.pool().begin().await.unwrap();
+    let expecting =
+        OutboxMessage::new(subject, b"x".to_vec()).header("Nats-Expected-Last-Sequence", "1000");
+    let refused = outbox.enqueue(&mut tx, expecting).await.unwrap_err();
+    assert!(refused.to_string().contains("expectation"), "{refused}");
+    let value = "h".repeat(inbox_runtime::MAX_OUTBOX_HEADERS_LEN);
+    let big = OutboxMessage::new(subject, b"x".to_vec()).header("X-Big", value);
+    let refused = outbox.enqueue(&mut tx, big).await.unwrap_err();
+    assert!(refused.to_string().contains("headers are"), "{refused}");
+    drop(tx);
+    // Written by another writer: an expectation the stream does not meet, and a header block
+    // over the 64 KiB JetStream takes. JetStream refuses each at every try.
+    let ids = commit(
+        &outbox,
+        [
+            OutboxMessage::new(subject, b"expecting".to_vec()).order_key("e"),
+            OutboxMessage::new(subject, b"after expecting".to_vec()).order_key("e"),
+            OutboxMessage::new(subject, b"big headers".to_vec()).order_key("b"),
+            OutboxMessage::new(subject, b"good".to_vec()).order_key("g"),
+        ],
+    )
+    .await;
+    let forge = |sql: String| B::exec(&db, Box::leak(sql.into_boxed_str()));
+    forge(format!(
+        r#"UPDATE outbox SET headers = '[["Nats-Expected-Last-Sequence","1000"]]' WHERE msg_id = '{}'"#,
+        ids[0]
+    ))
+    .await;
+    forge(format!(
+        r#"UPDATE outbox SET headers = '[["X-Big","{}"]]' WHERE msg_id = '{}'"#,
+        "h".repeat(70_000),
+        ids[2]
+    ))
+    .await;
+    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(100));
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("the good row", DEADLINE, || async {
+        events.count().await == 1
+    })
+    .await
+    .unwrap();
+    wait_until(
+        "the refused rows to be kept as failed",
+        DEADLINE,
+        || async { outbox.failed(10).await.unwrap().len() == 2 },
+    )
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.expect("the relay never panicked");
+    assert_eq!((stats.published, stats.failed), (1, 2), "{stats:?}");
+    let failed = outbox.failed(10).await.unwrap();
+    let keys: Vec<&str> = failed.iter().map(|f| f.order_key.as_str()).collect();
+    assert_eq!(keys, ["e", "b"], "{failed:?}");
+    assert_eq!(events.messages().await[0].1, b"good");
+    // The two failed rows, and the row held behind one.
+    assert_eq!(outbox.pending().await.unwrap().0, 3);
+}
+
 super::behaviours!(
     handler_that_fails_after_publishing_publishes_nothing,
     commit_wakes_the_relay,
@@ -1075,6 +1146,7 @@ super::behaviours!(
     cleanup_deletes_sent_rows_after_the_retention,
     refused_rows_neither_panic_the_relay_nor_stall_other_keys,
     a_subject_over_the_control_line_is_refused_and_the_connection_kept,
+    rows_jetstream_refuses_for_good_are_kept_failed,
     a_relay_that_panics_is_started_again_and_the_workers_go_on,
     a_relay_that_stops_lets_the_next_one_take_over_at_once,
     a_pass_loads_no_more_than_its_byte_budget,
