@@ -9,12 +9,13 @@
 use super::letter_text::error_header;
 use crate::backend::InboxBackend;
 use crate::store::Inbox;
-use async_nats::HeaderMap;
 use async_nats::header::NATS_MESSAGE_ID;
 use async_nats::jetstream::context::{PublishError, PublishErrorKind};
 use async_nats::jetstream::publish::PublishAck;
 use async_nats::jetstream::{self, message::Message, stream};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
+use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// The default dead-letter stream.
@@ -160,10 +161,22 @@ pub(crate) fn header_pairs(headers: &HeaderMap) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A parked letter's headers as a map. A pair NATS cannot carry (in a row written by another
+/// writer, or by hand) is left out and logged: async-nats's `append` of a bad name or value
+/// panics, which stopped every later parked letter of the consumer.
 fn header_map(pairs: &[(String, String)]) -> HeaderMap {
     let mut headers = HeaderMap::new();
     for (name, value) in pairs {
-        headers.append(name.as_str(), value.as_str());
+        let parsed = (
+            HeaderName::from_str(name).ok().filter(|_| !name.is_empty()),
+            HeaderValue::from_str(value).ok(),
+        );
+        match parsed {
+            (Some(name), Some(value)) => headers.append(name, value),
+            _ => {
+                tracing::warn!(header = ?name, "a parked letter's header NATS cannot carry is left out")
+            }
+        }
     }
     headers
 }
@@ -340,6 +353,20 @@ mod tests {
             subject: Some("orders.created"),
             key: Some("order-7"),
         }
+    }
+
+    #[test]
+    fn parked_headers_nats_cannot_carry_are_left_out() {
+        let pair = |n: &str, v: &str| (n.to_owned(), v.to_owned());
+        let pairs = [
+            pair("Bad Name", "v"),
+            pair("", "v"),
+            pair("Ünïcode", "v"),
+            pair("X-Split", "a\r\nX-Forged: 1"),
+            pair("Inbox-Consumer", "orders"),
+        ];
+        let headers = header_map(&pairs);
+        assert_eq!(header_pairs(&headers), [pair("Inbox-Consumer", "orders")]);
     }
 
     #[test]
