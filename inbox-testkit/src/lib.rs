@@ -40,6 +40,7 @@ pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
     publish_acked, publish_and_wait, publish_raw, publish_raw_acked, publish_raw_lines,
+    publish_raw_status,
 };
 pub use pg::{PrimaryStandby, PrivatePostgres, Replication};
 pub use proxy::TcpProxy;

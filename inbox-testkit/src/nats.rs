@@ -357,6 +357,31 @@ pub async fn publish_raw_lines(
     }
 }
 
+/// [`publish_raw_lines`] with a status after the header block's version (`NATS/1.0 503`, say),
+/// as a raw producer can write it: the server stores it as it is, and a client reading the
+/// delivery sees a status, as it does on the server's own status messages.
+pub async fn publish_raw_status(
+    url: &str,
+    subject: &str,
+    status: &str,
+    lines: &[Vec<u8>],
+    payload: &[u8],
+) -> Result<(), String> {
+    let mut conn = RawConnection::open(url).await?;
+    let mut frame = CONNECT.as_bytes().to_vec();
+    let version = format!("NATS/1.0 {status}");
+    frame.extend(hpub_with(version.as_bytes(), subject, None, lines, payload));
+    frame.extend_from_slice(b"PING\r\n");
+    conn.send(&frame).await?;
+    loop {
+        match conn.line().await?.as_str() {
+            "PONG" => return Ok(()),
+            l if l.starts_with("-ERR") => return Err(format!("NATS refused the HPUB: {l}")),
+            _ => {}
+        }
+    }
+}
+
 /// [`publish_raw_lines`] to a stream's subject, returning the stream sequence from JetStream's
 /// PubAck.
 pub async fn publish_raw_acked(
@@ -400,7 +425,19 @@ pub async fn publish_raw_acked(
 /// `HPUB <subject> [<reply>] <header bytes> <total bytes>`, the header block (`NATS/1.0`, each
 /// line, a blank line) and the payload.
 fn hpub(subject: &str, reply: Option<&str>, lines: &[Vec<u8>], payload: &[u8]) -> Vec<u8> {
-    let mut head = b"NATS/1.0\r\n".to_vec();
+    hpub_with(b"NATS/1.0", subject, reply, lines, payload)
+}
+
+/// [`hpub`] with the header block's first line `version`.
+fn hpub_with(
+    version: &[u8],
+    subject: &str,
+    reply: Option<&str>,
+    lines: &[Vec<u8>],
+    payload: &[u8],
+) -> Vec<u8> {
+    let mut head = version.to_vec();
+    head.extend_from_slice(b"\r\n");
     for line in lines {
         head.extend_from_slice(line);
         head.extend_from_slice(b"\r\n");

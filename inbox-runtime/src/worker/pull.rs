@@ -256,7 +256,15 @@ where
                 break Err("the pull subscription ended".into());
             };
             heard = Instant::now();
+            // A stored message is a delivery whatever status its header block's first line
+            // gives (a raw producer's `NATS/1.0 503`, a server's status message a stream took
+            // in): only the server's own status messages come without an ack subject.
+            let delivered = message
+                .reply
+                .as_ref()
+                .is_some_and(|reply| reply.starts_with("$JS.ACK."));
             match message.status {
+                _ if delivered => {}
                 None | Some(StatusCode::OK) => {}
                 Some(StatusCode::IDLE_HEARTBEAT) => continue,
                 // A request expired, or the server ended it, with what it had not brought.
