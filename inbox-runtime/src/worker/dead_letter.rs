@@ -228,36 +228,60 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
-/// The letter as it fits within the server's `max_payload` (headers and payload together): as it
-/// is when it fits; else its payload cut, with `Inbox-Truncated: <original length>` (the letter
-/// still names the original's stream and sequence, to fetch it whole); and when the original's
-/// headers alone are too large, without them too.
+/// The letter as it fits within the server's `max_payload` (headers and payload together) and
+/// JetStream's 64 KiB header block: as it is when it fits; when the original's headers alone
+/// are too large for either, without them, and `Inbox-Headers-Dropped: <their size>`; then,
+/// if still too large, its payload cut, with `Inbox-Truncated: <original length>` (the letter
+/// still names the original's stream and sequence, to fetch it whole).
 fn fit(headers: HeaderMap, payload: Bytes, max: usize) -> (HeaderMap, Bytes) {
-    if wire_len(&headers) + payload.len() <= max {
+    let limit = MAX_HEADER_BLOCK.min(max);
+    let fits = |h: &HeaderMap, payload: usize| wire_len(h) <= limit && wire_len(h) + payload <= max;
+    if fits(&headers, payload.len()) {
         return (headers, payload);
     }
     let mut cut = headers;
-    cut.insert(TRUNCATED, payload.len().to_string().as_str());
-    if wire_len(&cut) >= max {
-        let ours: HeaderMap = cut
-            .iter()
-            .filter(|(name, _)| {
-                let name: &str = name.as_ref();
-                // The original's unreadable header lines are the original's headers too.
-                (name.starts_with("Inbox-") && name != UNREADABLE_HEADERS)
-                    || name.eq_ignore_ascii_case("Nats-Msg-Id")
-            })
-            .flat_map(|(name, values)| values.iter().map(move |v| (name.clone(), v.clone())))
-            .fold(HeaderMap::new(), |mut h, (name, value)| {
-                h.append(name, value);
-                h
-            });
-        cut = ours;
+    // The original's headers go when they alone leave no room for ours and a payload.
+    let with_truncated = wire_len(&cut) + TRUNCATED.len() + 24;
+    if with_truncated > limit {
+        cut = ours(&cut);
+    }
+    if !fits(&cut, payload.len()) {
+        cut.insert(TRUNCATED, payload.len().to_string().as_str());
     }
     let room = max.saturating_sub(wire_len(&cut));
     let payload = payload.slice(..room.min(payload.len()));
     (cut, payload)
 }
+
+/// The headers of `letter` that are ours, and `Inbox-Headers-Dropped`: the size of the
+/// original's, left out.
+fn ours(letter: &HeaderMap) -> HeaderMap {
+    let mut ours = letter
+        .iter()
+        .filter(|(name, _)| is_ours(name))
+        .flat_map(|(name, values)| values.iter().map(move |v| (name.clone(), v.clone())))
+        .fold(HeaderMap::new(), |mut h, (name, value)| {
+            h.append(name, value);
+            h
+        });
+    ours.insert(HEADERS_DROPPED, wire_len(letter).to_string().as_str());
+    ours
+}
+
+/// Whether a letter's header `name` is one of ours (`Inbox-*` but the original's unreadable
+/// header lines, `Nats-Msg-Id`), which a letter keeps when the original's are dropped.
+fn is_ours(name: &async_nats::HeaderName) -> bool {
+    let name: &str = name.as_ref();
+    (name.starts_with("Inbox-") && name != UNREADABLE_HEADERS)
+        || name.eq_ignore_ascii_case("Nats-Msg-Id")
+}
+
+/// The largest header block JetStream stores (its error 10097 above it).
+const MAX_HEADER_BLOCK: usize = 65_535;
+
+/// The header a letter whose original's headers were too large to carry has instead: their
+/// size on the wire.
+const HEADERS_DROPPED: &str = "Inbox-Headers-Dropped";
 
 /// The header block's size on the wire: `NATS/1.0\r\n`, each `name: value\r\n`, `\r\n`.
 fn wire_len(headers: &HeaderMap) -> usize {
@@ -426,11 +450,38 @@ mod tests {
         let mut original = HeaderMap::new();
         original.insert("X-Big", "v".repeat(5000).as_str());
         let big = letter_headers(Some(&original), &letter());
-        let (h, p) = fit(big, Bytes::from(vec![b'x'; 10]), max);
+        let (h, p) = fit(big.clone(), Bytes::from(vec![b'x'; 10]), max);
         assert!(h.get("X-Big").is_none());
-        assert_eq!(h.get(TRUNCATED).unwrap().as_str(), "10");
+        let dropped = wire_len(&big).to_string();
+        assert_eq!(h.get(HEADERS_DROPPED).unwrap().as_str(), dropped);
+        assert!(h.get(TRUNCATED).is_none(), "the payload is whole");
+        assert_eq!(p.len(), 10);
         assert_eq!(h.get(NATS_MESSAGE_ID).unwrap().as_str(), "dlq:orders:S:9");
         assert!(wire_len(&h) + p.len() <= max);
+    }
+
+    #[test]
+    fn original_headers_over_jetstreams_limit_are_dropped_and_said() {
+        let max = 1024 * 1024;
+        let mut original = HeaderMap::new();
+        original.insert("X-Big", "v".repeat(65_400).as_str());
+        assert!(
+            wire_len(&original) <= MAX_HEADER_BLOCK,
+            "JetStream stores the original"
+        );
+        let letter = letter_headers(Some(&original), &letter());
+        assert!(wire_len(&letter) > MAX_HEADER_BLOCK);
+        let (h, p) = fit(letter.clone(), Bytes::from(vec![b'x'; 100]), max);
+        assert!(h.get("X-Big").is_none());
+        assert_eq!(
+            h.get(HEADERS_DROPPED).unwrap().as_str(),
+            wire_len(&letter).to_string()
+        );
+        assert!(h.get(TRUNCATED).is_none(), "the payload fits");
+        assert_eq!(p.len(), 100);
+        assert_eq!(h.get(NATS_MESSAGE_ID).unwrap().as_str(), "dlq:orders:S:9");
+        assert_eq!(h.get("Inbox-Stream-Seq").unwrap().as_str(), "9");
+        assert!(wire_len(&h) <= MAX_HEADER_BLOCK);
     }
 
     #[test]

@@ -269,11 +269,50 @@ async fn deleted_dead_letter_stream_is_created_again<B: TestBackend>() {
     assert_eq!(letters[0].0, b"{ second, not json");
 }
 
+/// A message whose header block is near JetStream's 64 KiB limit (a foreign producer's) got a
+/// letter with our headers added that JetStream refused (error 10097) at every try: nak'd
+/// through every delivery, then parked and refused for ever. Now the letter leaves the
+/// original's headers out and says so (`Inbox-Headers-Dropped`); its payload is whole.
+async fn repro_letter_headers_over_64k_are_never_stored<B: TestBackend>() {
+    let (_db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let big = "v".repeat(65_400);
+    let poison = b"{ not json".to_vec();
+    inbox_testkit::publish_raw(nats.url(), &nats.subject, &[("X-Big", &big)], &poison)
+        .await
+        .expect("JetStream stores a header block under 64 KiB");
+    let worker = nats
+        .worker(inbox, consumer)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let stats = until_one_is_dead_lettered(&worker).await;
+    assert_eq!(
+        stats.nacked, 0,
+        "the letter was refused at first: {stats:?}"
+    );
+    let letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    let (payload, headers) = &letters[0];
+    assert_eq!(payload, &poison, "the payload, whole");
+    assert!(headers.get("X-Big").is_none());
+    let dropped: usize = headers
+        .get("Inbox-Headers-Dropped")
+        .unwrap()
+        .as_str()
+        .parse()
+        .unwrap();
+    assert!(dropped > 65_400, "{dropped}");
+    assert!(headers.get("Inbox-Truncated").is_none());
+    assert_eq!(headers.get("Inbox-Stream-Seq").unwrap().as_str(), "1");
+}
+
 super::behaviours!(
     deleted_dead_letter_stream_is_created_again,
     repro_dead_letter_error_shows_row_values,
     repro_unstorable_letter_on_the_last_delivery_is_lost,
     repro_letter_too_large_for_the_server_is_lost,
+    repro_letter_headers_over_64k_are_never_stored,
     repro_dead_letters_of_two_consumers_collide,
     repro_foreign_control_headers_block_the_dead_letter,
 );
