@@ -6,6 +6,7 @@
 //! nak would never be redelivered: there the letter is parked in the database instead (then the
 //! original is termed), and [`relay_parked`] publishes it once the stream takes it.
 
+use super::letter_fit::fit;
 use super::letter_text::error_header;
 use crate::backend::InboxBackend;
 use crate::store::Inbox;
@@ -228,81 +229,11 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
-/// The letter as it fits within the server's `max_payload` (headers and payload together) and
-/// JetStream's 64 KiB header block: as it is when it fits; when the original's headers alone
-/// are too large for either, without them, and `Inbox-Headers-Dropped: <their size>`; then,
-/// if still too large, its payload cut, with `Inbox-Truncated: <original length>` (the letter
-/// still names the original's stream and sequence, to fetch it whole).
-fn fit(headers: HeaderMap, payload: Bytes, max: usize) -> (HeaderMap, Bytes) {
-    let limit = MAX_HEADER_BLOCK.min(max);
-    let fits = |h: &HeaderMap, payload: usize| wire_len(h) <= limit && wire_len(h) + payload <= max;
-    if fits(&headers, payload.len()) {
-        return (headers, payload);
-    }
-    let mut cut = headers;
-    // The original's headers go when they alone leave no room for ours and a payload.
-    let with_truncated = wire_len(&cut) + TRUNCATED.len() + 24;
-    if with_truncated > limit {
-        cut = ours(&cut);
-    }
-    if !fits(&cut, payload.len()) {
-        cut.insert(TRUNCATED, payload.len().to_string().as_str());
-    }
-    let room = max.saturating_sub(wire_len(&cut));
-    let payload = payload.slice(..room.min(payload.len()));
-    (cut, payload)
-}
-
-/// The headers of `letter` that are ours, and `Inbox-Headers-Dropped`: the size of the
-/// original's, left out.
-fn ours(letter: &HeaderMap) -> HeaderMap {
-    let mut ours = letter
-        .iter()
-        .filter(|(name, _)| is_ours(name))
-        .flat_map(|(name, values)| values.iter().map(move |v| (name.clone(), v.clone())))
-        .fold(HeaderMap::new(), |mut h, (name, value)| {
-            h.append(name, value);
-            h
-        });
-    ours.insert(HEADERS_DROPPED, wire_len(letter).to_string().as_str());
-    ours
-}
-
-/// Whether a letter's header `name` is one of ours (`Inbox-*` but the original's unreadable
-/// header lines, `Nats-Msg-Id`), which a letter keeps when the original's are dropped.
-fn is_ours(name: &async_nats::HeaderName) -> bool {
-    let name: &str = name.as_ref();
-    (name.starts_with("Inbox-") && name != UNREADABLE_HEADERS)
-        || name.eq_ignore_ascii_case("Nats-Msg-Id")
-}
-
-/// The largest header block JetStream stores (its error 10097 above it).
-const MAX_HEADER_BLOCK: usize = 65_535;
-
-/// The header a letter whose original's headers were too large to carry has instead: their
-/// size on the wire.
-const HEADERS_DROPPED: &str = "Inbox-Headers-Dropped";
-
-/// The header block's size on the wire: `NATS/1.0\r\n`, each `name: value\r\n`, `\r\n`.
-fn wire_len(headers: &HeaderMap) -> usize {
-    let mut len = "NATS/1.0\r\n\r\n".len();
-    for (name, values) in headers.iter() {
-        let name: &str = name.as_ref();
-        for value in values {
-            len += name.len() + ": \r\n".len() + value.as_str().len();
-        }
-    }
-    len
-}
-
 /// The header that names the subject the original was published to.
 pub const SUBJECT: &str = "Inbox-Subject";
 
 /// The header that carries the key the original was (or would have been) processed under.
 pub const KEY: &str = "Inbox-Key";
-
-/// The header a truncated letter carries: the original payload's length.
-const TRUNCATED: &str = "Inbox-Truncated";
 
 /// The letter's headers: the original's, except the JetStream control headers (`Nats-*`: an
 /// expected stream, last sequence or msg-id, a rollup, a TTL, meant for the original's stream,
@@ -364,6 +295,7 @@ pub(crate) fn letter_headers(original: Option<&HeaderMap>, letter: &DeadLetter<'
 
 #[cfg(test)]
 mod tests {
+    use super::super::letter_fit::{HEADERS_DROPPED, MAX_HEADER_BLOCK, TRUNCATED, wire_len};
     use super::*;
 
     fn letter() -> DeadLetter<'static> {
