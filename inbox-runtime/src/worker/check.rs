@@ -163,11 +163,12 @@ pub(crate) fn check(
             consumer: name.to_owned(),
         });
     }
-    if !is_subject_token(handler_consumer) {
+    if !super::stream_names::is_subject_token(handler_consumer) {
         return Err(WorkerError::ConsumerName {
             name: handler_consumer.to_owned(),
         });
     }
+    super::stream_names::check_names(options)?;
     // Never more in flight than connections to process them on, nor than the server lets
     // wait for acks: prefetching more than can be processed within ack_wait turns into
     // redelivery storms.
@@ -263,14 +264,6 @@ pub(super) fn ack_wait_of(config: &consumer::Config) -> Duration {
     }
 }
 
-/// Whether `name` can stand as one token of a NATS subject.
-fn is_subject_token(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_graphic() && !matches!(b, b'.' | b'*' | b'>'))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -320,6 +313,17 @@ mod tests {
             assert!(matches!(err, WorkerError::ConsumerName { .. }), "{bad:?}");
         }
         assert!(check(&o, "c", &config(), "credit-v2_x", 8).is_ok());
+    }
+
+    #[test]
+    fn a_dead_letter_prefix_jetstream_refuses_fails_the_check() {
+        let o = Options {
+            dead_letter_prefix: "inbox dlq".to_owned(),
+            ..Options::default()
+        };
+        let err = checked(&o, &config()).unwrap_err();
+        assert!(matches!(err, WorkerError::InvalidName { .. }), "{err}");
+        assert!(err.to_string().contains("\"inbox dlq\""), "{err}");
     }
 
     #[test]

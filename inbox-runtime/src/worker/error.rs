@@ -100,4 +100,15 @@ pub enum WorkerError {
         /// The rejected name.
         name: String,
     },
+    /// A dead-letter stream, dead-letter subject prefix or advisory stream that JetStream would
+    /// refuse: every letter (or the backstop) would fail, one at a time, at run time.
+    #[error("{what} {name:?} is not valid: {why}")]
+    InvalidName {
+        /// What it names: "dead-letter stream", "dead-letter subject prefix", "advisory stream".
+        what: &'static str,
+        /// The rejected name.
+        name: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
 }

@@ -30,6 +30,7 @@ mod requests;
 mod serve;
 mod serve_batch;
 mod slots;
+mod stream_names;
 mod transport_id;
 mod upkeep;
 mod verdict;
