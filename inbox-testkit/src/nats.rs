@@ -343,18 +343,7 @@ pub async fn publish_raw_lines(
     lines: &[Vec<u8>],
     payload: &[u8],
 ) -> Result<(), String> {
-    let mut conn = RawConnection::open(url).await?;
-    let mut frame = CONNECT.as_bytes().to_vec();
-    frame.extend(hpub(subject, None, lines, payload));
-    frame.extend_from_slice(b"PING\r\n");
-    conn.send(&frame).await?;
-    loop {
-        match conn.line().await?.as_str() {
-            "PONG" => return Ok(()),
-            l if l.starts_with("-ERR") => return Err(format!("NATS refused the HPUB: {l}")),
-            _ => {}
-        }
-    }
+    publish_frame(url, hpub(subject, None, lines, payload)).await
 }
 
 /// [`publish_raw_lines`] with a status after the header block's version (`NATS/1.0 503`, say),
@@ -367,10 +356,17 @@ pub async fn publish_raw_status(
     lines: &[Vec<u8>],
     payload: &[u8],
 ) -> Result<(), String> {
+    let version = format!("NATS/1.0 {status}");
+    let frame = hpub_with(version.as_bytes(), subject, None, lines, payload);
+    publish_frame(url, frame).await
+}
+
+/// Sends `hpub` (a whole `HPUB` frame) on a raw connection of its own, and waits for the
+/// server's `PONG` to the `PING` after it.
+async fn publish_frame(url: &str, hpub: Vec<u8>) -> Result<(), String> {
     let mut conn = RawConnection::open(url).await?;
     let mut frame = CONNECT.as_bytes().to_vec();
-    let version = format!("NATS/1.0 {status}");
-    frame.extend(hpub_with(version.as_bytes(), subject, None, lines, payload));
+    frame.extend(hpub);
     frame.extend_from_slice(b"PING\r\n");
     conn.send(&frame).await?;
     loop {

@@ -168,6 +168,46 @@ fn hold_first_pass() -> (
     (hook, held, release)
 }
 
+/// Asserts that `enqueue` refuses `message`, saying `why`, in a transaction then dropped.
+async fn refused_at_enqueue<DB: inbox_runtime::InboxBackend>(
+    outbox: &Outbox<DB>,
+    message: OutboxMessage,
+    why: &str,
+) {
+    let mut tx = outbox.pool().begin().await.unwrap();
+    let refused = outbox.enqueue(&mut tx, message).await.unwrap_err();
+    assert!(refused.to_string().contains(why), "{refused}");
+}
+
+/// Relays `outbox` (polling every 100 ms) until `events` holds `stored` messages and `failed`
+/// rows are kept as failed, then stops the relay: it published `stored` and failed `failed`.
+async fn relay_until<DB: inbox_runtime::InboxBackend>(
+    outbox: &Outbox<DB>,
+    nats: &NatsStream,
+    events: &Events,
+    stored: u64,
+    failed: usize,
+) {
+    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(100));
+    let (stop, relaying) = run(relay, &nats.js);
+    wait_until("the rows JetStream takes", DEADLINE, || async {
+        events.count().await == stored
+    })
+    .await
+    .unwrap();
+    wait_until(
+        "the refused rows to be kept as failed",
+        DEADLINE,
+        || async { outbox.failed(10).await.unwrap().len() == failed },
+    )
+    .await
+    .unwrap();
+    stop.cancel();
+    let stats = relaying.await.expect("the relay never panicked");
+    let done = (stats.published, stats.failed);
+    assert_eq!(done, (stored, failed as u64), "{stats:?}");
+}
+
 /// Runs `relay` on a task of its own until the token.
 fn run<DB: inbox_runtime::InboxBackend>(
     relay: Relay<DB>,
@@ -671,13 +711,8 @@ async fn refused_rows_neither_panic_the_relay_nor_stall_other_keys<B: TestBacken
         ["h", "i", "big", "s"]
     );
     // Now that the relay knows the server's limit, such a message is refused when written.
-    let mut tx = outbox.pool().begin().await.unwrap();
-    let refused = outbox
-        .enqueue(&mut tx, OutboxMessage::new(subject, vec![b'x'; max + 1]))
-        .await
-        .unwrap_err();
-    assert!(refused.to_string().contains("max_payload"), "{refused}");
-    drop(tx);
+    let too_large = OutboxMessage::new(subject, vec![b'x'; max + 1]);
+    refused_at_enqueue(&outbox, too_large, "max_payload").await;
     // A failed row discarded lets its key's next row go; the other failed keys still wait.
     assert!(outbox.discard_failed(failed[0].id).await.unwrap());
     wait_until(
@@ -991,14 +1026,8 @@ async fn a_subject_over_the_control_line_is_refused_and_the_connection_kept<B: T
         format!("{prefix}{}", "x".repeat(len - prefix.len()))
     };
     let longest = under(inbox_runtime::MAX_OUTBOX_SUBJECT_LEN);
-    let mut tx = outbox.pool().begin().await.unwrap();
     let over = OutboxMessage::new(under(longest.len() + 1), b"over".to_vec());
-    let refused = outbox.enqueue(&mut tx, over).await.unwrap_err();
-    assert!(
-        refused.to_string().contains("max_control_line"),
-        "{refused}"
-    );
-    drop(tx);
+    refused_at_enqueue(&outbox, over, "max_control_line").await;
     // Written by another writer: a subject no server with the default `max_control_line` takes
     // (4,096 bytes), with a later row of its key behind it.
     let forged = commit(
@@ -1029,21 +1058,7 @@ async fn a_subject_over_the_control_line_is_refused_and_the_connection_kept<B: T
         stats.connects.load(std::sync::atomic::Ordering::Relaxed)
     };
     let connected = connects();
-    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(100));
-    let (stop, relaying) = run(relay, &nats.js);
-    wait_until("the longest subject and the good row", DEADLINE, || async {
-        events.count().await == 2
-    })
-    .await
-    .unwrap();
-    wait_until("the forged row to be kept as failed", DEADLINE, || async {
-        outbox.failed(10).await.unwrap().len() == 1
-    })
-    .await
-    .unwrap();
-    stop.cancel();
-    let stats = relaying.await.expect("the relay never panicked");
-    assert_eq!((stats.published, stats.failed), (2, 1), "{stats:?}");
+    relay_until(&outbox, &nats, &events, 2, 1).await;
     let mut stored: Vec<Vec<u8>> = events
         .messages()
         .await
@@ -1077,16 +1092,12 @@ async fn rows_jetstream_refuses_for_good_are_kept_failed<B: TestBackend>() {
         events,
     } = relaying::<B>().await;
     let subject = &*events.subject;
-    let mut tx = outbox.pool().begin().await.unwrap();
     let expecting =
         OutboxMessage::new(subject, b"x".to_vec()).header("Nats-Expected-Last-Sequence", "1000");
-    let refused = outbox.enqueue(&mut tx, expecting).await.unwrap_err();
-    assert!(refused.to_string().contains("expectation"), "{refused}");
+    refused_at_enqueue(&outbox, expecting, "expectation").await;
     let value = "h".repeat(inbox_runtime::MAX_OUTBOX_HEADERS_LEN);
     let big = OutboxMessage::new(subject, b"x".to_vec()).header("X-Big", value);
-    let refused = outbox.enqueue(&mut tx, big).await.unwrap_err();
-    assert!(refused.to_string().contains("headers are"), "{refused}");
-    drop(tx);
+    refused_at_enqueue(&outbox, big, "headers are").await;
     // Written by another writer: an expectation the stream does not meet, and a header block
     // over the 64 KiB JetStream takes. JetStream refuses each at every try.
     let ids = commit(
@@ -1111,23 +1122,7 @@ async fn rows_jetstream_refuses_for_good_are_kept_failed<B: TestBackend>() {
         ids[2]
     ))
     .await;
-    let relay = Relay::new(outbox.clone()).poll_interval(Duration::from_millis(100));
-    let (stop, relaying) = run(relay, &nats.js);
-    wait_until("the good row", DEADLINE, || async {
-        events.count().await == 1
-    })
-    .await
-    .unwrap();
-    wait_until(
-        "the refused rows to be kept as failed",
-        DEADLINE,
-        || async { outbox.failed(10).await.unwrap().len() == 2 },
-    )
-    .await
-    .unwrap();
-    stop.cancel();
-    let stats = relaying.await.expect("the relay never panicked");
-    assert_eq!((stats.published, stats.failed), (1, 2), "{stats:?}");
+    relay_until(&outbox, &nats, &events, 1, 2).await;
     let failed = outbox.failed(10).await.unwrap();
     let keys: Vec<&str> = failed.iter().map(|f| f.order_key.as_str()).collect();
     assert_eq!(keys, ["e", "b"], "{failed:?}");
