@@ -110,8 +110,8 @@ impl OutboxMessage {
             }
             // A publish's expectations are the relay's: one of the stream's last sequence or
             // message id fails for good once the stream moves on, a row published again too.
-            if name.len() >= EXPECTED.len() && name[..EXPECTED.len()].eq_ignore_ascii_case(EXPECTED)
-            {
+            let prefix = name.get(..EXPECTED.len());
+            if prefix.is_some_and(|p| p.eq_ignore_ascii_case(EXPECTED)) {
                 return Err(InvalidMessage::ExpectedHeader(name.clone()));
             }
         }
@@ -133,15 +133,9 @@ impl OutboxMessage {
         Ok(())
     }
 
-    /// Its size on the wire (payload and headers, `Nats-Msg-Id` included), without the
-    /// `Nats-Expected-Stream` header the relay adds: at most what NATS counts against
-    /// `max_payload`, less that header.
-    pub(crate) fn wire_size(&self, msg_id: &str) -> usize {
-        self.header_size(msg_id) + self.payload.len()
-    }
-
     /// Its header block's size on the wire, `Nats-Msg-Id` included, without the
-    /// `Nats-Expected-Stream` header the relay adds.
+    /// `Nats-Expected-Stream` header the relay adds (with the payload: at most what NATS counts
+    /// against `max_payload`, less that header).
     pub(crate) fn header_size(&self, msg_id: &str) -> usize {
         // "NATS/1.0\r\n", each "name: value\r\n", the closing "\r\n".
         let header = |name: &str, value: &str| name.len() + value.len() + 4;

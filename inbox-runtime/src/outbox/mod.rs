@@ -193,13 +193,13 @@ impl<DB: InboxBackend> Outbox<DB> {
             Some(id) => id.clone(),
             None => nuid::next().to_string(),
         };
-        let headers = message.header_size(&msg_id);
-        if headers > MAX_HEADERS_LEN {
-            let (size, max) = (headers, MAX_HEADERS_LEN);
+        let header_size = message.header_size(&msg_id);
+        if header_size > MAX_HEADERS_LEN {
+            let (size, max) = (header_size, MAX_HEADERS_LEN);
             return Err(refuse(InvalidMessage::HeadersTooLarge { size, max }));
         }
         let max = self.inner.max_payload.load(Ordering::Relaxed);
-        let size = message.wire_size(&msg_id);
+        let size = header_size + message.payload.len();
         if max > 0 && size > max {
             return Err(refuse(InvalidMessage::TooLarge { size, max }));
         }
