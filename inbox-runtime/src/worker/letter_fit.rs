@@ -19,21 +19,25 @@ pub(super) fn fit(headers: HeaderMap, payload: Bytes, max: usize) -> (HeaderMap,
         return (headers, payload);
     }
     let mut cut = headers;
-    // The original's headers go when they alone leave no room for ours and a payload.
-    let with_truncated = wire_len(&cut) + TRUNCATED.len() + 24;
-    if with_truncated > limit {
+    // The original's headers go when the block is too large for JetStream...
+    if wire_len(&cut) > limit {
         cut = ours(&cut);
     }
     if !fits(&cut, payload.len()) {
         cut.insert(TRUNCATED, payload.len().to_string().as_str());
+        // ...or, with the payload cut, leaves no room for any of it.
+        let block = wire_len(&cut);
+        if (block > limit || block >= max) && cut.get(HEADERS_DROPPED).is_none() {
+            cut = ours(&cut);
+        }
     }
     let room = max.saturating_sub(wire_len(&cut));
     let payload = payload.slice(..room.min(payload.len()));
     (cut, payload)
 }
 
-/// The headers of `letter` that are ours, and `Inbox-Headers-Dropped`: the size of the
-/// original's, left out.
+/// The headers of `letter` that are ours, and `Inbox-Headers-Dropped`: the size of the letter's
+/// header block with the original's, which are left out.
 fn ours(letter: &HeaderMap) -> HeaderMap {
     let mut ours = letter
         .iter()
@@ -58,8 +62,8 @@ fn is_ours(name: &async_nats::HeaderName) -> bool {
 /// The largest header block JetStream stores (its error 10097 above it).
 pub(super) const MAX_HEADER_BLOCK: usize = 65_535;
 
-/// The header a letter whose original's headers were too large to carry has instead: their
-/// size on the wire.
+/// The header a letter whose original's headers were too large to carry has instead: the
+/// size on the wire of the header block they were in.
 pub(super) const HEADERS_DROPPED: &str = "Inbox-Headers-Dropped";
 
 /// The header block's size on the wire: `NATS/1.0\r\n`, each `name: value\r\n`, `\r\n`.
