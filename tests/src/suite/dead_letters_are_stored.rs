@@ -26,6 +26,27 @@ where
     run.stop().await
 }
 
+/// Runs a `ledger` worker of `consumer` until it has dead-lettered one message, which must be
+/// the stream's only letter, stored at the first try (no nak): returns it.
+async fn only_letter_stored_at_first<B: TestBackend>(
+    nats: &NatsStream,
+    inbox: inbox_runtime::Inbox<B::Db>,
+    consumer: async_nats::jetstream::consumer::PullConsumer,
+) -> (Vec<u8>, async_nats::HeaderMap) {
+    let worker = nats
+        .worker(inbox, consumer)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let stats = until_one_is_dead_lettered(&worker).await;
+    assert_eq!(
+        stats.nacked, 0,
+        "the letter was refused at first: {stats:?}"
+    );
+    let mut letters = nats.dead_letters().await;
+    assert_eq!(letters.len(), 1);
+    letters.remove(0)
+}
+
 /// Two handlers (`ledger`, `credit`) on two consumers of one stream both reject message 1. Its
 /// letters used to share the msg-id `dlq:<stream>:1`, so JetStream dropped the second as a
 /// duplicate, and its original was termed anyway: one rejection without a trace.
@@ -179,18 +200,7 @@ async fn repro_letter_too_large_for_the_server_is_lost<B: TestBackend>() {
     let mut poison = b"{ not json ".to_vec();
     poison.resize(max - 64, b'x');
     nats.publish_all([poison.clone()]).await;
-    let worker = nats
-        .worker(inbox, consumer)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let stats = until_one_is_dead_lettered(&worker).await;
-    assert_eq!(
-        stats.nacked, 0,
-        "the letter was refused at first: {stats:?}"
-    );
-    let letters = nats.dead_letters().await;
-    assert_eq!(letters.len(), 1);
-    let (payload, headers) = &letters[0];
+    let (payload, headers) = &only_letter_stored_at_first::<B>(&nats, inbox, consumer).await;
     assert_eq!(
         headers.get("Inbox-Truncated").unwrap().as_str(),
         poison.len().to_string()
@@ -282,18 +292,7 @@ async fn repro_letter_headers_over_64k_are_never_stored<B: TestBackend>() {
     inbox_testkit::publish_raw(nats.url(), &nats.subject, &[("X-Big", &big)], &poison)
         .await
         .expect("JetStream stores a header block under 64 KiB");
-    let worker = nats
-        .worker(inbox, consumer)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let stats = until_one_is_dead_lettered(&worker).await;
-    assert_eq!(
-        stats.nacked, 0,
-        "the letter was refused at first: {stats:?}"
-    );
-    let letters = nats.dead_letters().await;
-    assert_eq!(letters.len(), 1);
-    let (payload, headers) = &letters[0];
+    let (payload, headers) = &only_letter_stored_at_first::<B>(&nats, inbox, consumer).await;
     assert_eq!(payload, &poison, "the payload, whole");
     assert!(headers.get("X-Big").is_none());
     let dropped: usize = headers
