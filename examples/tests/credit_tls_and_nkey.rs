@@ -4,7 +4,9 @@
 //! `NATS_NKEY`. Without TLS, or without the key, `credit` is refused and says so.
 
 use inbox_examples::CreditRequested;
-use inbox_testkit::{CreditProcess, PrivateNats, PrivatePostgres, Summary, unique, wait_until};
+use inbox_testkit::{
+    CreditProcess, PrivateNats, PrivatePostgres, Summary, consumer_ready, unique, wait_until,
+};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -76,11 +78,7 @@ async fn credit_reaches_postgres_over_tls_and_nats_with_an_nkey() {
         .await
         .unwrap();
     let js = async_nats::jetstream::new(client);
-    wait_until("credit's stream", DEADLINE, async || {
-        js.get_stream(&stream).await.is_ok()
-    })
-    .await
-    .unwrap();
+    consumer_ready(&js, &stream, "credit").await.unwrap();
     for (i, amount) in [1i64, 2, 3].into_iter().enumerate() {
         let msg = CreditRequested {
             id: format!("tls-{i}"),

@@ -4,7 +4,7 @@
 use inbox_examples::CreditRequested;
 use inbox_runtime::Inbox;
 use inbox_testkit::{CreditConfig, CreditProcess, PrivateNats, TcpProxy, wait_until};
-use inbox_testkit::{publish_and_wait, with_database};
+use inbox_testkit::{consumer_ready, publish_and_wait, with_database};
 use inbox_tests::NatsStream;
 use inbox_tests::backends::{Postgres, TestBackend, TestDb};
 use std::path::{Path, PathBuf};
@@ -12,6 +12,7 @@ use std::time::Duration;
 
 const STREAM: &str = "WAITS";
 const SUBJECT: &str = "waits.credits";
+const DURABLE: &str = "waits";
 
 /// `credit` on `database_url` and `nats_url`, its log in a file of the test's own.
 fn spawn_credit(database_url: &str, nats_url: &str, log: &Path) -> CreditProcess {
@@ -21,7 +22,7 @@ fn spawn_credit(database_url: &str, nats_url: &str, log: &Path) -> CreditProcess
         database_url: database_url.into(),
         stream: STREAM.into(),
         subject: SUBJECT.into(),
-        consumer: "waits".into(),
+        consumer: DURABLE.into(),
         rust_log: "warn".into(),
     };
     CreditProcess::spawn(&config, Some(log)).expect("spawn credit")
@@ -53,17 +54,11 @@ async fn assert_retries_with_backoff(log: &Path, what: &str) {
     assert!(retries_logged(log, what) < 10, "retrying without backoff");
 }
 
-/// Once the missing service is back: `credit` creates its stream, applies 20 credits, and stops
+/// Once the missing service is back: `credit` creates its stream and consumer, applies 20 credits, and stops
 /// cleanly on SIGTERM.
 async fn works_once_back(credit: CreditProcess, nats_url: &str, db: &TestDb<sqlx::Postgres>) {
     let nats = NatsStream::create_at(nats_url).await;
-    wait_until(
-        "credit to create its stream",
-        Duration::from_secs(60),
-        async || nats.js.get_stream(STREAM).await.is_ok(),
-    )
-    .await
-    .unwrap();
+    consumer_ready(&nats.js, STREAM, DURABLE).await.unwrap();
     let requests = (0..20).map(|i| {
         let request = CreditRequested {
             id: format!("w-{i}"),

@@ -31,6 +31,7 @@ mod db;
 mod nats;
 mod pg;
 mod proxy;
+mod raw;
 mod sink;
 mod wait;
 
@@ -38,12 +39,12 @@ pub use cluster::PrivateCluster;
 pub use credit::{CreditConfig, CreditProcess, EmailConfig, LastDeliveryHolds, Summary, terminate};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{
-    Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, nats_server_binary,
-    publish_acked, publish_and_wait, publish_raw, publish_raw_acked, publish_raw_lines,
-    publish_raw_status,
+    Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, consumer_ready,
+    nats_server_binary, publish_acked, publish_and_wait,
 };
 pub use pg::{PrimaryStandby, PrivatePostgres, Replication};
 pub use proxy::TcpProxy;
+pub use raw::{publish_raw, publish_raw_acked, publish_raw_lines, publish_raw_status};
 pub use sink::{Flaky, Sink, SinkCall, overlaps, why_again};
 pub use wait::{Poll, throughout, wait_until};
 
