@@ -320,6 +320,24 @@ pub trait Backend: sqlx::Database + Generic {
     /// SELECT of pending rows ends with ([`RelayTurns::fetch_suffix`]).
     const RELAY_TURNS: RelayTurns = RelayTurns::SkipLocked;
 
+    /// The outbox, where relays lock rows ([`RelayTurns::SkipLocked`]): the statement that
+    /// takes the relays' turn for the rest of a pass's transaction, waiting for it as long as
+    /// the pass's BEGIN lets a lock wait. One relay at a time reads and publishes: side by side,
+    /// half of what each locked waited behind the other relays' rows of the same keys, and every
+    /// pass paid for its reads and the `heads` query all the same. `None`: relays do not take
+    /// turns this way.
+    fn relay_turn_sql(table: &TableName) -> Option<String> {
+        let _ = table;
+        None
+    }
+
+    /// Whether a database error says a table does not exist (an outbox whose newest migration
+    /// has not run yet). `false` by default.
+    fn is_undefined_table_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        let _ = err;
+        false
+    }
+
     /// What an INSERT into the outbox's table of failed rows ends with, so that a row recorded
     /// as failed already (by a relay whose SQLite lease ran out mid-pass, and the relay that
     /// took it over) is left as it is rather than failing the pass.

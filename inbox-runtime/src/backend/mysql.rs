@@ -161,7 +161,31 @@ impl Backend for MySql {
                 failed_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
             ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
             ),
+            // The relays' turn: one row, locked by the relay whose pass runs
+            // (`relay_turn_sql`).
+            format!(
+                "CREATE TABLE IF NOT EXISTS {table}_relay (
+                id INT NOT NULL PRIMARY KEY
+            ) ENGINE = InnoDB;
+            INSERT INTO {table}_relay (id) VALUES (1) ON DUPLICATE KEY UPDATE id = id"
+            ),
         ]
+    }
+
+    /// The turn row's lock, InnoDB's: let go with the transaction (or the session), so no path
+    /// can leave it held, where `GET_LOCK`'s session lock outlives a transaction that ends
+    /// without its `RELEASE_LOCK`. Without the row (deleted by hand) no lock is taken, and
+    /// relays work side by side as they did before turns.
+    fn relay_turn_sql(table: &TableName) -> Option<String> {
+        Some(format!(
+            "SELECT id FROM {table}_relay WHERE id = 1 FOR UPDATE"
+        ))
+    }
+
+    fn is_undefined_table_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 1146 ER_NO_SUCH_TABLE.
+        err.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>()
+            .is_some_and(|e| e.number() == 1146)
     }
 
     /// One row: `INSERT .. VALUES`, its payload read from the marker's row (NULL, refused by

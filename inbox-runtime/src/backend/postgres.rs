@@ -112,6 +112,20 @@ impl Backend for Postgres {
         ]
     }
 
+    /// A transaction-scoped advisory lock: let go at COMMIT or ROLLBACK, or when the session
+    /// ends, so no path can leave it held; it writes nothing (a row lock would write the row).
+    /// Its key is the hash of the name, as the fleet lock's: the two kinds share one key space.
+    fn relay_turn_sql(table: &TableName) -> Option<String> {
+        Some(format!(
+            "SELECT pg_advisory_xact_lock(hashtext('outbox-relay-turn:{table}'))"
+        ))
+    }
+
+    fn is_undefined_table_error(err: &dyn sqlx::error::DatabaseError) -> bool {
+        // 42P01 undefined_table.
+        err.code().is_some_and(|c| c == "42P01")
+    }
+
     fn outbox_cleanup_sql(table: &TableName) -> SqlStr {
         AssertSqlSafe(format!(
             "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} \

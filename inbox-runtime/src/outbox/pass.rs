@@ -1,8 +1,10 @@
 //! One pass of a relay:
-//! 1. PostgreSQL, MySQL 8, MariaDB 10.6+: in a transaction, the oldest pending rows (at most
-//!    `batch`), locked `FOR UPDATE SKIP LOCKED`, so that relays side by side take different rows
-//!    and none is sent by two at once. SQLite (`RelayTurns::Lease`): the relay that holds the
-//!    lease in `<table>_relay` reads them; the others wait their turn.
+//! 1. PostgreSQL, MySQL 8, MariaDB 10.6+: in a transaction, the relays' turn (a transaction
+//!    lock: one relay's pass at a time, the others wait for it), then the oldest pending rows
+//!    (at most `batch`), locked `FOR UPDATE SKIP LOCKED`, so that relays without turns (an older
+//!    version's, during a rolling upgrade) take different rows and none is sent by two at once.
+//!    SQLite (`RelayTurns::Lease`): the relay that holds the lease in `<table>_relay` reads
+//!    them; the others wait their turn.
 //! 2. Per order key, a row goes only when no older pending row of its key is left outside this
 //!    pass (held by another relay, or committed late): a key's messages leave in id order.
 //! 3. Rows are published with `Nats-Msg-Id` = their id and `Nats-Expected-Stream` = the stream
@@ -17,7 +19,7 @@
 use super::error::RelayError;
 use super::message::{header_value_ok, publish_subject};
 use super::relay::Relay;
-use super::statements::OutboxStatements;
+use super::statements::{OutboxStatements, TURN_WAIT};
 use super::streams::Checks;
 use crate::backend::fleet::{FleetLock, delete_in_batches};
 use crate::backend::{Beginning, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns};
@@ -101,6 +103,10 @@ impl<DB: InboxBackend> Relay<DB> {
         let mut conn = Beginning::new(pool.acquire().await?);
         let passed = async {
             let mut tx = conn.begin_with(&sql.begin).await?;
+            if !self.take_turn(&mut tx).await? {
+                tx.rollback().await?;
+                return Ok(false);
+            }
             let sizes = DB::outbox_sizes(&mut *tx, fetch, &blocked, limit).await?;
             if sizes.is_empty() {
                 tx.commit().await?;
@@ -122,6 +128,38 @@ impl<DB: InboxBackend> Relay<DB> {
         }
         .await;
         closing_read_only(&mut conn, passed)
+    }
+
+    /// Takes the relays' turn for the rest of the transaction on `conn` (PostgreSQL, MySQL:
+    /// `Backend::relay_turn_sql`); `false` when another relay held it for all of
+    /// [`TURN_WAIT`]. Relays of an older version take no turn: they still lock their rows, and
+    /// keep off this pass's as before.
+    async fn take_turn(&self, conn: &mut DB::Connection) -> Result<bool, RelayError> {
+        let Some(turn) = self
+            .outbox
+            .statements()
+            .turn
+            .as_ref()
+            .filter(|_| self.turns)
+        else {
+            return Ok(true);
+        };
+        let table = self.outbox.table();
+        match DB::execute_raw(conn, turn.clone()).await {
+            Ok(_) => Ok(true),
+            Err(sqlx::Error::Database(e)) if DB::is_timeout_error(e.as_ref()) => {
+                tracing::debug!(outbox = %table, wait = ?TURN_WAIT, "another relay held the turn all along; this pass is let go");
+                Ok(false)
+            }
+            // MySQL, where the failed statement leaves the transaction as it was.
+            Err(sqlx::Error::Database(e)) if DB::is_undefined_table_error(e.as_ref()) => {
+                if !self.counters.turnless.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(outbox = %table, error = %e, "the outbox has no turn table yet (run Outbox::migrate): its relays work side by side, each waiting behind the others' rows");
+                }
+                Ok(true)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Marks `done`'s rows sent, and records its failed rows, on `conn`. On the lease path

@@ -11,7 +11,7 @@ use async_nats::jetstream;
 #[cfg(feature = "test-util")]
 use futures::future::BoxFuture;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -55,6 +55,9 @@ pub(super) struct Counters {
     pub(super) republished: AtomicU64,
     pub(super) marked: AtomicU64,
     pub(super) failed: AtomicU64,
+    /// Whether the relay said once that its outbox has no turn table yet (MySQL, before
+    /// `Outbox::migrate` of this version), so relays work side by side without turns.
+    pub(super) turnless: AtomicBool,
 }
 
 impl Counters {
@@ -85,6 +88,9 @@ pub struct Relay<DB: InboxBackend> {
     /// This relay's name in a lease relays take turns by.
     pub(super) owner: String,
     pub(super) lease: Duration,
+    /// Whether its passes take the relays' turn (PostgreSQL, MySQL); only tests (`test-util`)
+    /// turn it off, to run a relay as an older version's.
+    pub(super) turns: bool,
     #[cfg(feature = "test-util")]
     before_mark: Option<Hook>,
 }
@@ -103,6 +109,7 @@ impl<DB: InboxBackend> Clone for Relay<DB> {
             counters: Arc::clone(&self.counters),
             owner: self.owner.clone(),
             lease: self.lease,
+            turns: self.turns,
             #[cfg(feature = "test-util")]
             before_mark: self.before_mark.clone(),
         }
@@ -122,6 +129,7 @@ impl<DB: InboxBackend> Relay<DB> {
             counters: Arc::default(),
             owner: nuid::next().to_string(),
             lease: DEFAULT_RELAY_LEASE,
+            turns: true,
             #[cfg(feature = "test-util")]
             before_mark: None,
         }
@@ -211,6 +219,16 @@ impl<DB: InboxBackend> Relay<DB> {
     #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn before_mark(mut self, hook: Hook) -> Self {
         self.before_mark = Some(hook);
+        self
+    }
+
+    /// For tests (feature `test-util`, not part of the stable API): a relay that takes no turn
+    /// on PostgreSQL and MySQL, as relays of earlier versions did (they still run beside newer
+    /// ones during a rolling upgrade): its passes lock their rows `SKIP LOCKED` alone.
+    #[cfg(feature = "test-util")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn without_turns(mut self) -> Self {
+        self.turns = false;
         self
     }
 

@@ -1,7 +1,15 @@
 //! The outbox's SQL, written once per [`Outbox`](super::Outbox).
 
-use crate::backend::{Begin, DEFAULT_LOCK_TIMEOUT, InboxBackend, TableName, stamp_ids_sql};
+use crate::backend::{Begin, InboxBackend, TableName, stamp_ids_sql};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
+use std::time::Duration;
+
+/// How long a relay waits for its turn (PostgreSQL, MySQL): about as long as a pass may run (it
+/// starts no publish after 10 s). A relay that waited that long lets the pass go, and tries
+/// again at its next wake-up or poll. Every lock a pass's transaction waits for is bound by it,
+/// but no other lock waits: the rows are taken `SKIP LOCKED`, then marked by the one relay that
+/// holds them.
+pub(crate) const TURN_WAIT: Duration = Duration::from_secs(10);
 
 /// The outbox's SQL, written once per [`Outbox`].
 pub(crate) struct OutboxStatements {
@@ -29,7 +37,11 @@ pub(crate) struct OutboxStatements {
     pub(crate) lease: SqlStr,
     /// SQLite: binds owner, seconds (0): ends the owner's lease now, for a relay that stops.
     pub(crate) release: SqlStr,
-    /// A relay pass's BEGIN (its connection is never a kept one: `Begin::sql` alone is sent).
+    /// PostgreSQL, MySQL: takes the relays' turn for the rest of the pass's transaction
+    /// (`Backend::relay_turn_sql`).
+    pub(crate) turn: Option<SqlStr>,
+    /// A relay pass's BEGIN, its lock waits bound by [`TURN_WAIT`] (its connection is never a
+    /// kept one: `Begin::sql` alone is sent).
     pub(crate) begin: Begin,
     /// The table, for statements written per batch.
     pub(crate) table: TableName,
@@ -40,7 +52,7 @@ impl OutboxStatements {
         let p = DB::param;
         let sql = |text: String| AssertSqlSafe(text).into_sql_str();
         OutboxStatements {
-            begin: Begin::new::<DB>(DEFAULT_LOCK_TIMEOUT, None),
+            begin: Begin::new::<DB>(TURN_WAIT, None),
             insert: sql(format!(
                 "INSERT INTO {table} (msg_id, subject, order_key, headers, payload) \
                  VALUES ({}, {}, {}, {}, {})",
@@ -94,6 +106,7 @@ impl OutboxStatements {
                 DB::secs_from_now_sql(&p(2)),
                 p(1)
             )),
+            turn: DB::relay_turn_sql(table).map(sql),
             table: table.clone(),
         }
     }

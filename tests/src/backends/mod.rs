@@ -174,6 +174,10 @@ pub trait TestBackend: Send + Sync + 'static {
     /// another session holds; always 0 where there is no such lock (SQLite).
     fn waiting_for_fleet_lock(db: &TestDb<Self::Db>) -> impl Future<Output = i64> + Send;
 
+    /// Sessions of this database waiting for the outbox relays' turn, which another relay's
+    /// pass holds; always 0 where relays take turns by a lease instead (SQLite).
+    fn waiting_for_relay_turn(db: &TestDb<Self::Db>) -> impl Future<Output = i64> + Send;
+
     /// Releases a lock taken by [`TestBackend::hold_cleanup_lock`].
     fn release_cleanup_lock(
         holder: PoolConnection<Self::Db>,
@@ -309,11 +313,21 @@ use common_queries;
 
 /// Defines `hold_cleanup_lock` and `release_cleanup_lock` on a server backend from its SQL:
 /// `$lock` tries the lock named by its one bind and returns `$held` (a `$t`) when it got it; `$unlock` releases it. Also `waiting_writers`, from a count of this database's sessions
-/// (its name the one bind) blocked behind a write, and `waiting_for_fleet_lock`, from a count of
-/// them waiting for a fleet lock.
+/// (its name the one bind) blocked behind a write, `waiting_for_fleet_lock`, from a count of
+/// them waiting for a fleet lock, and `waiting_for_relay_turn`, of those waiting for the relays'
+/// turn.
 macro_rules! server_queries {
     ($db:ty, lock = $lock:literal -> $t:ty, held = $held:expr, unlock = $unlock:literal,
-     waiting_writers = $waiting:literal, waiting_for_lock = $waiting_lock:literal) => {
+     waiting_writers = $waiting:literal, waiting_for_lock = $waiting_lock:literal,
+     waiting_for_turn = $waiting_turn:literal) => {
+        async fn waiting_for_relay_turn(db: &$crate::backends::TestDb<$db>) -> i64 {
+            sqlx::query_scalar::<_, i64>($waiting_turn)
+                .bind(&db.name)
+                .fetch_one(&db.pool)
+                .await
+                .expect($waiting_turn)
+        }
+
         async fn waiting_for_fleet_lock(db: &$crate::backends::TestDb<$db>) -> i64 {
             sqlx::query_scalar::<_, i64>($waiting_lock)
                 .bind(&db.name)

@@ -81,6 +81,9 @@ impl TestBackend for MySql {
                            OR info LIKE 'DELETE FROM inbox %')",
         // A GET_LOCK with a wait, still executing: the lock is held elsewhere.
         waiting_for_lock = "SELECT count(*) FROM information_schema.processlist \
-                            WHERE db = ? AND info LIKE 'SELECT GET_LOCK(%'"
+                            WHERE db = ? AND info LIKE 'SELECT GET_LOCK(%'",
+        // The turn row's lock, waited for by a statement still executing.
+        waiting_for_turn = "SELECT count(*) FROM information_schema.processlist \
+                            WHERE db = ? AND info LIKE 'SELECT id FROM %\\_relay WHERE id = 1 FOR UPDATE'"
     );
 }

@@ -89,7 +89,10 @@ macro_rules! postgres_backend {
                            WHERE datname = $1 AND wait_event_type = 'Lock'",
         waiting_for_lock = "SELECT count(*) FROM pg_stat_activity \
                             WHERE datname = $1 AND wait_event_type = 'Lock' \
-                            AND wait_event = 'advisory'"
+                            AND wait_event = 'advisory'",
+        waiting_for_turn = "SELECT count(*) FROM pg_stat_activity \
+                            WHERE datname = $1 AND wait_event_type = 'Lock' \
+                            AND wait_event = 'advisory' AND query LIKE '%outbox-relay-turn:%'"
     );
         }
     };

@@ -79,6 +79,11 @@ impl TestBackend for Sqlite {
 
     async fn release_cleanup_lock(_: PoolConnection<sqlx::Sqlite>, _: &'static str) {}
 
+    /// None: relays take turns by their lease, which no one waits for.
+    async fn waiting_for_relay_turn(_: &TestDb<sqlx::Sqlite>) -> i64 {
+        0
+    }
+
     /// None: there is no fleet lock to wait for.
     async fn waiting_for_fleet_lock(_: &TestDb<sqlx::Sqlite>) -> i64 {
         0

@@ -72,6 +72,7 @@ mod memory_is_bounded_by_bytes;
 mod nats_restart_mid_stream;
 mod outbox;
 mod prefetch;
+mod relays_take_turns;
 mod status_lines_are_deliveries;
 mod stuck_deliveries_have_a_deadline;
 mod two_instances_apply_each_message_once;
