@@ -115,9 +115,14 @@ impl Backend for Postgres {
     /// A transaction-scoped advisory lock: let go at COMMIT or ROLLBACK, or when the session
     /// ends, so no path can leave it held; it writes nothing (a row lock would write the row).
     /// Its key is the hash of the name, as the fleet lock's: the two kinds share one key space.
+    /// A relay frozen or cut off mid-pass would hold the turn until TCP keepalive ended its
+    /// session (hours), every other relay letting its passes go meanwhile: a pass idle in its
+    /// transaction for a minute (it publishes for 10 s at most) has its session ended by the
+    /// server, and its rows are published again by the next pass, into the duplicate window.
     fn relay_turn_sql(table: &TableName) -> Option<String> {
         Some(format!(
-            "SELECT pg_advisory_xact_lock(hashtext('outbox-relay-turn:{table}'))"
+            "SET LOCAL idle_in_transaction_session_timeout = 60000; \
+             SELECT pg_advisory_xact_lock(hashtext('outbox-relay-turn:{table}'))"
         ))
     }
 

@@ -7,7 +7,8 @@
 //! A turn held longer than a relay waits for it (another relay's pass stuck on JetStream, a
 //! lease not yet run out) lets the relay's pass go without an error, and it relays once the
 //! turn is free. On MySQL, an outbox without the turn table (its newest migration not run)
-//! is relayed without turns.
+//! is relayed without turns. On PostgreSQL, a relay frozen mid-pass loses the turn once its
+//! transaction has been idle for a minute.
 
 use super::outbox::{DEADLINE, Events, commit, hold_first_pass, outbox, run};
 use super::setup;
@@ -153,3 +154,41 @@ super::behaviours!(
     a_relay_waits_for_the_pass_of_another,
     a_turn_held_too_long_lets_the_pass_go
 );
+
+/// PostgreSQL alone (MySQL has no bound on a transaction left idle without leaking a session
+/// setting into the pool): a relay frozen mid-pass (stopped at its hook, as a process stopped
+/// or cut off from the database would be) holds the turn, and the server ends its session once
+/// it has been idle in its transaction for a minute; then another relay takes the turn and
+/// publishes the frozen relay's rows again, which the stream drops as duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_relay_lets_the_turn_go_on_postgres() {
+    type B = crate::backends::Postgres;
+    let (db, _) = setup::<B>(4).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let rows = (0..3).map(|n| OutboxMessage::new(&*events.subject, format!("{n}")));
+    commit(&outbox, rows).await;
+    let (hold, held, _never_released) = hold_first_pass();
+    let frozen = {
+        let (relay, js) = (
+            Relay::new(outbox.clone()).before_mark(hold),
+            nats.js.clone(),
+        );
+        tokio::spawn(async move { relay.drain(&js).await })
+    };
+    tokio::time::timeout(DEADLINE, held.notified())
+        .await
+        .expect("the first relay to hold its pass");
+    let second = Relay::new(outbox.clone());
+    let mut republished = 0;
+    wait_until("the frozen relay's turn to end", 3 * DEADLINE, async || {
+        republished += second.drain(&nats.js).await.unwrap().republished;
+        outbox.pending().await.unwrap().0 == 0
+    })
+    .await
+    .unwrap();
+    assert_eq!(republished, 3);
+    assert_eq!(events.count().await, 3);
+    frozen.abort();
+}
