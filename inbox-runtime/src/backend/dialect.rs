@@ -316,6 +316,14 @@ pub trait Backend: sqlx::Database + Generic {
     /// The outbox (`outbox.rs`): the migrations that create `table` and its indexes.
     fn outbox_migration_sql(table: &TableName) -> Vec<String>;
 
+    /// The outbox: idempotent statements `Outbox::migrate` runs after the migrations, every
+    /// time, for what must not be a migration step (an earlier version's instance refuses a
+    /// database with a step it does not know). None by default.
+    fn outbox_unversioned_sql(table: &TableName) -> Vec<String> {
+        let _ = table;
+        Vec::new()
+    }
+
     /// The outbox: how relays side by side keep off each other's rows; also what a relay's
     /// SELECT of pending rows ends with ([`RelayTurns::fetch_suffix`]).
     const RELAY_TURNS: RelayTurns = RelayTurns::SkipLocked;
@@ -331,8 +339,9 @@ pub trait Backend: sqlx::Database + Generic {
         None
     }
 
-    /// Whether a database error says a table does not exist (an outbox whose newest migration
-    /// has not run yet). `false` by default.
+    /// Whether a database error says a table does not exist (MySQL: an outbox whose
+    /// `Outbox::migrate` of this version has not run yet). Only where a failed statement leaves
+    /// the transaction usable: `false` by default.
     fn is_undefined_table_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         let _ = err;
         false

@@ -38,6 +38,10 @@ pub(crate) fn migrator(table: &TableName, what: &str, steps: Vec<String>) -> Mig
     // sqlx's own lock is one per database, taken without a bound (and on MariaDB not at all:
     // `GET_LOCK(.., -1)` returns at once there). Ours, per table and bounded, replaces it.
     migrator.set_locking(false);
+    // A step this version does not know was recorded by a later one (a rolling upgrade, a
+    // rollback): every step only adds to the schema, so the table serves this version as it
+    // is, rather than keeping it from starting.
+    migrator.set_ignore_missing(true);
     migrator
 }
 

@@ -161,14 +161,20 @@ impl Backend for MySql {
                 failed_at TIMESTAMP(6) NOT NULL DEFAULT CURRENT_TIMESTAMP(6)
             ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin"
             ),
-            // The relays' turn: one row, locked by the relay whose pass runs
-            // (`relay_turn_sql`).
+        ]
+    }
+
+    /// The relays' turn: one row, locked by the relay whose pass runs (`relay_turn_sql`). Not a
+    /// migration step: an instance of an earlier version, started again during a rolling
+    /// upgrade, refuses a database with a step it does not know.
+    fn outbox_unversioned_sql(table: &TableName) -> Vec<String> {
+        vec![
             format!(
                 "CREATE TABLE IF NOT EXISTS {table}_relay (
                 id INT NOT NULL PRIMARY KEY
-            ) ENGINE = InnoDB;
-            INSERT INTO {table}_relay (id) VALUES (1) ON DUPLICATE KEY UPDATE id = id"
+            ) ENGINE = InnoDB"
             ),
+            format!("INSERT INTO {table}_relay (id) VALUES (1) ON DUPLICATE KEY UPDATE id = id"),
         ]
     }
 

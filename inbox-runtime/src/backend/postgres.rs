@@ -114,21 +114,19 @@ impl Backend for Postgres {
 
     /// A transaction-scoped advisory lock: let go at COMMIT or ROLLBACK, or when the session
     /// ends, so no path can leave it held; it writes nothing (a row lock would write the row).
-    /// Its key is the hash of the name, as the fleet lock's: the two kinds share one key space.
-    /// A relay frozen or cut off mid-pass would hold the turn until TCP keepalive ended its
-    /// session (hours), every other relay letting its passes go meanwhile: a pass idle in its
-    /// transaction for a minute (it publishes for 10 s at most) has its session ended by the
-    /// server, and its rows are published again by the next pass, into the duplicate window.
+    /// Its key is a pair of integers, the crate's and the outbox's: the pair form never meets a
+    /// lock on one bigint (an application's by entity id, the fleet lock's), and the turn is
+    /// held nearly all the time. A relay frozen or cut off mid-pass would hold the turn until
+    /// TCP keepalive ended its session (hours), every other relay letting its passes go
+    /// meanwhile: a pass idle in its transaction for a minute (a healthy one is idle while it
+    /// publishes: 10 s, then the PubAcks it awaits) has its session ended by the server, and its
+    /// rows are published again by the next pass, into the duplicate window.
     fn relay_turn_sql(table: &TableName) -> Option<String> {
         Some(format!(
             "SET LOCAL idle_in_transaction_session_timeout = 60000; \
-             SELECT pg_advisory_xact_lock(hashtext('outbox-relay-turn:{table}'))"
+             SELECT pg_advisory_xact_lock(hashtext('inbox-runtime'), \
+             hashtext('outbox-relay-turn:{table}'))"
         ))
-    }
-
-    fn is_undefined_table_error(err: &dyn sqlx::error::DatabaseError) -> bool {
-        // 42P01 undefined_table.
-        err.code().is_some_and(|c| c == "42P01")
     }
 
     fn outbox_cleanup_sql(table: &TableName) -> SqlStr {

@@ -132,13 +132,21 @@ impl<DB: InboxBackend> Outbox<DB> {
     }
 
     /// Creates or updates the outbox's table (its migrations are tracked in
-    /// `_<table>_migrations`, apart from the application's). Safe to run from several instances
-    /// at once: they take turns, as for [`Inbox::migrate`](crate::Inbox::migrate).
+    /// `_<table>_migrations`, apart from the application's; a step recorded by a later version
+    /// is let be), and on MySQL the relays' turn row (`<table>_relay`). Safe to run from
+    /// several instances at once: they take turns, as for
+    /// [`Inbox::migrate`](crate::Inbox::migrate).
     pub async fn migrate(&self) -> Result<(), sqlx::migrate::MigrateError> {
         let table = &self.inner.table;
         let migrator = migrate::migrator(table, "outbox", DB::outbox_migration_sql(table));
         let wait = migrate::MIGRATION_LOCK_WAIT;
-        migrate::migrate_racing(&self.inner.pool, table, &migrator, wait).await
+        migrate::migrate_racing(&self.inner.pool, table, &migrator, wait).await?;
+        for sql in DB::outbox_unversioned_sql(table) {
+            let sql = sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(sql));
+            let mut conn = self.inner.pool.acquire().await?;
+            DB::execute_raw(&mut conn, sql).await?;
+        }
+        Ok(())
     }
 
     /// The table.

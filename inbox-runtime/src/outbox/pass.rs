@@ -239,16 +239,21 @@ impl<DB: InboxBackend> Relay<DB> {
             keys.entry(row.order_key.clone()).or_default().push(row);
         }
         keys.retain(|key, rows| heads.get(key).is_none_or(|&head| head >= rows[0].id));
+        // The budget counts the lookups too: the pass's transaction is idle meanwhile, and the
+        // server ends one idle for a minute (PostgreSQL's turn).
+        let deadline = Instant::now() + PASS_BUDGET;
         // Each subject's stream, checked once (and again after CHECK_TTL).
         let mut streams = HashMap::new();
         for row in keys.values().flatten() {
+            if Instant::now() >= deadline {
+                break;
+            }
             // A subject NATS would refuse is refused below, before any lookup.
             if !streams.contains_key(&row.subject) && publish_subject(&row.subject).is_ok() {
                 let stream = checks.stream_for(js, &row.subject, self.retention).await;
                 streams.insert(row.subject.clone(), stream);
             }
         }
-        let deadline = Instant::now() + PASS_BUDGET;
         let table = self.outbox.table().as_str();
         let sends = keys.into_values().map(|rows| {
             let streams = &streams;
@@ -266,9 +271,11 @@ impl<DB: InboxBackend> Relay<DB> {
                         failed = Some(FailedSend { id, msg_id, subject, order_key, error });
                         break;
                     }
-                    let stream = match &streams[&subject] {
-                        Ok(stream) => stream,
-                        Err(why) => {
+                    let stream = match streams.get(&subject) {
+                        Some(Ok(stream)) => stream,
+                        // Not looked up within the pass's budget: the next pass.
+                        None => break,
+                        Some(Err(why)) => {
                             tracing::warn!(outbox = table, %subject, "outbox row {msg_id} not relayed: {why}");
                             break;
                         }

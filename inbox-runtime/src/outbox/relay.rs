@@ -186,7 +186,9 @@ impl<DB: InboxBackend> Relay<DB> {
 
     /// Relays what is pending now, pass after pass until a pass finds less than a batch it can
     /// take, and returns what this call did: for a relay run on a schedule of the
-    /// application's own rather than by [`Relay::run_until`].
+    /// application's own rather than by [`Relay::run_until`]. A pass that waited in vain for
+    /// the relays' turn (another relay's pass held it all along) ends it too, with rows
+    /// pending: that relay sends them, or the next call does.
     pub async fn drain(&self, js: &jetstream::Context) -> Result<RelayStats, RelayError> {
         let before = self.stats();
         self.learn_max_payload(js);
