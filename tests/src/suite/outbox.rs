@@ -120,14 +120,14 @@ pub(super) async fn outbox<DB: inbox_runtime::InboxBackend>(pool: sqlx::Pool<DB>
 
 /// A database with a migrated outbox, a NATS connection and a stream of this test's own for the
 /// announcements: what a relay test starts from.
-struct Relaying<B: TestBackend> {
-    db: crate::backends::TestDb<B::Db>,
-    outbox: Outbox<B::Db>,
-    nats: NatsStream,
-    events: Events,
+pub(super) struct Relaying<B: TestBackend> {
+    pub(super) db: crate::backends::TestDb<B::Db>,
+    pub(super) outbox: Outbox<B::Db>,
+    pub(super) nats: NatsStream,
+    pub(super) events: Events,
 }
 
-async fn relaying<B: TestBackend>() -> Relaying<B> {
+pub(super) async fn relaying<B: TestBackend>() -> Relaying<B> {
     let (db, _) = setup::<B>(4).await;
     let outbox = outbox(db.pool.clone()).await;
     let nats = NatsStream::create().await;
@@ -510,7 +510,12 @@ async fn two_relays_publish_each_row_once_in_key_order<B: TestBackend>() {
     assert_eq!(outbox.pending().await.unwrap().0, 0);
     let stored = events.messages().await;
     assert_eq!(stored.len() as u64, total);
-    // Per key, in order.
+    assert_in_key_order(stored);
+}
+
+/// Asserts that `stored` (payloads `<key>:<n>`, each key's `n` counting from 0) holds each key's
+/// messages once and in order.
+pub(super) fn assert_in_key_order(stored: Vec<(String, Vec<u8>)>) {
     let mut last: std::collections::HashMap<String, i64> = Default::default();
     for (_, payload) in stored {
         let text = String::from_utf8(payload).unwrap();

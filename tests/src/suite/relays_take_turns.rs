@@ -10,7 +10,9 @@
 //! is relayed without turns. On PostgreSQL, a relay frozen mid-pass loses the turn once its
 //! transaction has been idle for a minute.
 
-use super::outbox::{DEADLINE, Events, commit, hold_first_pass, outbox, run};
+use super::outbox::{
+    DEADLINE, Events, Relaying, assert_in_key_order, commit, hold_first_pass, outbox, relaying, run,
+};
 use super::setup;
 use crate::NatsStream;
 use crate::backends::TestBackend;
@@ -82,25 +84,26 @@ async fn a_relay_waits_for_the_pass_of_another<B: TestBackend>() {
     assert_eq!(first_done.republished, 0, "{first_done:?}");
     assert_eq!(first_done.published + published, 40);
     assert_eq!(first_stats().published, first_done.published);
-    // Per key, in order.
-    let mut last: HashMap<String, i64> = HashMap::new();
-    for (_, payload) in events.messages().await {
-        let text = String::from_utf8(payload).unwrap();
-        let (key, n) = text.split_once(':').unwrap();
-        let n: i64 = n.parse().unwrap();
-        let previous = last.insert(key.to_owned(), n).unwrap_or(-1);
-        assert_eq!(n, previous + 1, "key {key}: {n} after {previous}");
-    }
+    assert_in_key_order(events.messages().await);
+}
+
+/// A migrated outbox with three rows committed, and a stream for them.
+async fn three_rows<B: TestBackend>() -> Relaying<B> {
+    let relaying = relaying::<B>().await;
+    let events = &relaying.events;
+    let rows = (0..3).map(|n| OutboxMessage::new(&*events.subject, format!("{n}")));
+    commit(&relaying.outbox, rows).await;
+    relaying
 }
 
 /// The test.
 async fn a_turn_held_too_long_lets_the_pass_go<B: TestBackend>() {
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
-    let rows = (0..3).map(|n| OutboxMessage::new(&*events.subject, format!("{n}")));
-    commit(&outbox, rows).await;
+    let Relaying {
+        db,
+        outbox,
+        nats,
+        events,
+    } = three_rows::<B>().await;
     // Another relay's turn, as the relays take it.
     let holder = match B::BACKEND {
         Backend::Postgres => Some(
@@ -163,12 +166,12 @@ super::behaviours!(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_relay_lets_the_turn_go_on_postgres() {
     type B = crate::backends::Postgres;
-    let (db, _) = setup::<B>(4).await;
-    let outbox = outbox(db.pool.clone()).await;
-    let nats = NatsStream::create().await;
-    let events = Events::create(&nats.js).await;
-    let rows = (0..3).map(|n| OutboxMessage::new(&*events.subject, format!("{n}")));
-    commit(&outbox, rows).await;
+    let Relaying {
+        db: _db,
+        outbox,
+        nats,
+        events,
+    } = three_rows::<B>().await;
     let (hold, held, _never_released) = hold_first_pass();
     let frozen = {
         let (relay, js) = (
