@@ -90,11 +90,15 @@ fn lock_wait_error(table: &TableName, lock: &str, waited: Duration) -> MigrateEr
 /// steps, each one transaction with its record, so it never shows a step in progress); an
 /// instance that loses a race there fails to record a step the winner recorded, and its next
 /// attempt finds it recorded.
+///
+/// `then`: idempotent statements run after the migrator, in the same attempt (an attempt cut by
+/// a lost connection is made again, as for a step).
 pub(crate) async fn migrate_racing<DB: InboxBackend>(
     pool: &Pool<DB>,
     table: &TableName,
     migrator: &Migrator,
     wait: Duration,
+    then: &[String],
 ) -> Result<(), MigrateError> {
     let name = lock_name(table);
     let Some(mut lock) = FleetLock::take(pool, name.clone(), wait).await? else {
@@ -103,7 +107,15 @@ pub(crate) async fn migrate_racing<DB: InboxBackend>(
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     let mut attempt = 1;
     let result = loop {
-        match DB::run_migrator(lock.conn(), migrator).await {
+        let attempt_result = async {
+            DB::run_migrator(lock.conn(), migrator).await?;
+            for sql in then {
+                let sql = AssertSqlSafe(sql.clone()).into_sql_str();
+                DB::execute_raw(lock.conn(), sql).await?;
+            }
+            Ok::<_, MigrateError>(())
+        };
+        match attempt_result.await {
             Ok(()) => break Ok(()),
             // An interrupted step would block every restart: forget it and run it again.
             Err(MigrateError::Dirty(version)) if attempt < ATTEMPTS => {
@@ -122,6 +134,17 @@ pub(crate) async fn migrate_racing<DB: InboxBackend>(
                 tracing::debug!(error = %e, attempt, %table, "migration failed; retrying");
                 tokio::time::sleep(backoff.next()).await;
                 attempt += 1;
+                // A connection lost (cut by a failover or an operator, a process starting while
+                // it happens) fails every later statement on it, and its session lock is gone:
+                // the next attempt takes the lock again, on a connection of its own. Dropped,
+                // the old lock closes its connection.
+                if matches!(&e, MigrateError::Execute(err) if super::is_transient::<DB>(err)) {
+                    lock = match FleetLock::take(pool, name.clone(), wait).await {
+                        Ok(Some(lock)) => lock,
+                        Ok(None) => break Err(lock_wait_error(table, &name, wait)),
+                        Err(e) => break Err(e.into()),
+                    };
+                }
             }
             Err(e) => break Err(e),
         }

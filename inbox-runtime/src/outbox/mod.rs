@@ -140,13 +140,8 @@ impl<DB: InboxBackend> Outbox<DB> {
         let table = &self.inner.table;
         let migrator = migrate::migrator(table, "outbox", DB::outbox_migration_sql(table));
         let wait = migrate::MIGRATION_LOCK_WAIT;
-        migrate::migrate_racing(&self.inner.pool, table, &migrator, wait).await?;
-        for sql in DB::outbox_unversioned_sql(table) {
-            let sql = sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(sql));
-            let mut conn = self.inner.pool.acquire().await?;
-            DB::execute_raw(&mut conn, sql).await?;
-        }
-        Ok(())
+        let then = DB::outbox_unversioned_sql(table);
+        migrate::migrate_racing(&self.inner.pool, table, &migrator, wait, &then).await
     }
 
     /// The table.

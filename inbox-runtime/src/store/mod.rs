@@ -263,7 +263,8 @@ impl<DB: InboxBackend> Inbox<DB> {
     async fn run_migrations(&self) -> Result<(), sqlx::migrate::MigrateError> {
         let steps = DB::migration_sql(&self.table, &self.layout);
         let migrator = migrate::migrator(&self.table, "inbox", steps);
-        migrate::migrate_racing(&self.pool, &self.table, &migrator, self.migration_wait).await
+        let wait = self.migration_wait;
+        migrate::migrate_racing(&self.pool, &self.table, &migrator, wait, &[]).await
     }
 
     /// Whether the database can be reached and takes writes: a connection of its own (not one
