@@ -139,11 +139,15 @@ pub(crate) async fn migrate_racing<DB: InboxBackend>(
                 // the next attempt takes the lock again, on a connection of its own. Dropped,
                 // the old lock closes its connection.
                 if matches!(&e, MigrateError::Execute(err) if super::is_transient::<DB>(err)) {
-                    lock = match FleetLock::take(pool, name.clone(), wait).await {
-                        Ok(Some(lock)) => lock,
+                    match FleetLock::take(pool, name.clone(), wait).await {
+                        Ok(Some(again)) => lock = again,
                         Ok(None) => break Err(lock_wait_error(table, &name, wait)),
+                        // A pooled connection lost too (a pool that tests none on acquire):
+                        // closed, not pooled; the next attempt fails on the old one and takes
+                        // the lock again.
+                        Err(e) if super::is_transient::<DB>(&e) => {}
                         Err(e) => break Err(e.into()),
-                    };
+                    }
                 }
             }
             Err(e) => break Err(e),
