@@ -5,15 +5,17 @@
 //!
 //! Inbox transactions run at READ COMMITTED. Under REPEATABLE READ (InnoDB's default) the
 //! business statements take gap and next-key locks on ranges they scan, so concurrent handlers
-//! deadlock far more often; the inbox needs no repeatable reads, since the unique key decides.
-//! The isolation level, the lock wait timeout and MariaDB's statement bound are set in the same
-//! round trip as `START TRANSACTION`.
+//! deadlock far more often; the inbox needs no repeatable reads, since the unique key decides
+//! (the isolation level is set with `START TRANSACTION`: `mysql/session.rs`).
 
 use super::TableName;
 use super::{Backend, Claimed, Cut, CutSessions};
 use crate::layout::Layout;
 use sqlx::{AssertSqlSafe, MySql, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::time::Duration;
+
+mod session;
+use session::{RESET_STATEMENT_TIME, begin_again};
 
 impl Backend for MySql {
     const NAME: &'static str = "MySQL";
@@ -450,34 +452,6 @@ impl Backend for MySql {
             .map(|_| ())
     }
 }
-
-/// A message's BEGIN, less the COMMIT of [`Backend::begin_sql`]: three statements in one round
-/// trip. The lock wait (InnoDB's is in whole seconds, at least 1) and MariaDB's
-/// `max_statement_time`, which bounds every statement, lock waits included (seconds, fractions
-/// allowed), are the session's, set again at every BEGIN (a handler may have changed them); the
-/// isolation level is the next transaction's alone. MySQL has no bound for every statement (its
-/// `max_execution_time` bounds SELECTs only; a cut try's session is killed there instead,
-/// `session_to_kill`): the executable comment is MariaDB's alone. The session's bound stays on
-/// the connection (see `RESET_STATEMENT_TIME` for the statements that must not have it).
-fn begin_again(lock_timeout: Duration, statement_timeout: Option<Duration>) -> String {
-    let secs = lock_timeout.as_secs().max(1);
-    let bound = statement_timeout
-        .map(|t| {
-            let secs = t.as_secs_f64().max(0.001);
-            format!(" /*M!100100 , max_statement_time = {secs:.3} */")
-        })
-        .unwrap_or_default();
-    format!(
-        "SET SESSION innodb_lock_wait_timeout = {secs}{bound}; \
-         SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
-    )
-}
-
-/// Gives the session back the server's `max_statement_time` (MariaDB), which a message's
-/// transaction set to the worker's deadline ([`Backend::begin_sql`]); nothing on MySQL.
-const RESET_STATEMENT_TIME: &str = "SET SESSION innodb_lock_wait_timeout = \
-     @@SESSION.innodb_lock_wait_timeout \
-     /*M!100100 , max_statement_time = @@GLOBAL.max_statement_time */";
 
 /// What a claim's `INSERT .. ON DUPLICATE KEY UPDATE` answered: one row affected for a new
 /// marker, two for a duplicate (whose `dup_count` it raised).
