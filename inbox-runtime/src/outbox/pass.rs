@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 /// A pass starts no publish after this long, so that the rows it holds (and a relay's lease) are
 /// let go within a bounded time even when JetStream is slow to answer.
-const PASS_BUDGET: Duration = Duration::from_secs(10);
+pub(super) const PASS_BUDGET: Duration = Duration::from_secs(10);
 
 /// Rows one cleanup statement deletes at most.
 const CLEANUP_BATCH: i64 = 1_000;

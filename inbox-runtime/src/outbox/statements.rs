@@ -4,12 +4,12 @@ use crate::backend::{Begin, InboxBackend, TableName, stamp_ids_sql};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 use std::time::Duration;
 
-/// How long a relay waits for its turn (PostgreSQL, MySQL): about as long as a pass may run (it
-/// starts no publish after 10 s). A relay that waited that long lets the pass go, and tries
+/// How long a relay waits for its turn (PostgreSQL, MySQL): the budget of the pass it waits for
+/// (which starts no lookup or publish after it). A relay that waited that long lets the pass go, and tries
 /// again at its next wake-up or poll. Every lock a pass's transaction waits for is bound by it,
 /// but no other lock waits: the rows are taken `SKIP LOCKED`, then marked by the one relay that
 /// holds them.
-pub(crate) const TURN_WAIT: Duration = Duration::from_secs(10);
+pub(crate) const TURN_WAIT: Duration = super::pass::PASS_BUDGET;
 
 /// The outbox's SQL, written once per [`Outbox`].
 pub(crate) struct OutboxStatements {
