@@ -9,6 +9,9 @@
 //!   committed, since the insert found no marker;
 //! - a handler that swallows a failed statement's error and then writes a row: on PostgreSQL,
 //!   whose transaction is aborted, the insert fails and nothing commits;
+//! - the same end through a worker, whose deadline tells it its server: on MariaDB one row is
+//!   written with the server's check of the transaction (`@@in_transaction AND @@autocommit`)
+//!   instead of the marker's lookup, and with `autocommit` off the marker decides again;
 //! - through a worker, batched, every message's rows commit, in each message's order;
 //! - all of it on PostgreSQL's partitioned inbox too, whose markers are finished after the
 //!   rows' insert.
@@ -26,6 +29,11 @@ const ENDS: &str = "end";
 /// The key whose handler swallows the error of a failed statement before writing (which
 /// aborts the transaction on PostgreSQL).
 const SWALLOWS: &str = "swallow";
+/// MySQL: the key whose handler turns the session's `autocommit` off before writing.
+const AUTOCOMMIT_OFF: &str = "autocommit-off";
+/// MySQL: the key whose handler turns `autocommit` off, ends its transaction and reads a table,
+/// which opens a transaction that is not the marker's, before writing.
+const AUTOCOMMIT_OFF_ENDS: &str = "autocommit-off-end";
 
 macro_rules! ride_with_the_marker {
     ($name:ident, $backend:ty, $db:ty, $aborts:literal, $inbox:expr) => {
@@ -56,8 +64,18 @@ macro_rules! ride_with_the_marker {
                 tx: &mut Tx<$db>,
                 outbox: &Outbox<$db>,
             ) -> Result<(), sqlx::Error> {
-                if msg.key == ENDS {
+                if msg.key.starts_with(AUTOCOMMIT_OFF) {
+                    sqlx::raw_sql("SET autocommit = 0")
+                        .execute(&mut **tx)
+                        .await?;
+                }
+                if msg.key == ENDS || msg.key == AUTOCOMMIT_OFF_ENDS {
                     sqlx::raw_sql("ROLLBACK").execute(&mut **tx).await?;
+                }
+                if msg.key == AUTOCOMMIT_OFF_ENDS {
+                    sqlx::raw_sql("SELECT count(*) FROM outbox")
+                        .execute(&mut **tx)
+                        .await?;
                 }
                 if msg.key == SWALLOWS {
                     let failed = sqlx::raw_sql("SELECT * FROM no_such_table")
@@ -153,6 +171,43 @@ macro_rules! ride_with_the_marker {
                 );
             }
 
+            /// Runs `entries` through a worker (whose deadline tells it the server: on
+            /// MariaDB, one row is written with the server's check of the transaction) until
+            /// each is acked or terminated; returns (acked, terminated) and the outbox's
+            /// payloads.
+            pub(super) async fn through_a_worker(entries: &[Entry]) -> ((u64, u64), Vec<String>) {
+                let (db, inbox, outbox) = setup().await;
+                let nats = NatsStream::create().await;
+                let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+                nats.publish_all(entries.iter().map(Entry::json)).await;
+                let worker = nats
+                    .worker(inbox, consumer)
+                    .concurrency(1)
+                    .build_with_state(announce, outbox.clone())
+                    .unwrap();
+                let run = Running::start(&worker);
+                wait_until(
+                    "every message to end",
+                    Duration::from_secs(60),
+                    async || {
+                        let s = worker.stats();
+                        s.acked + s.terminated == entries.len() as u64
+                    },
+                )
+                .await
+                .unwrap();
+                let stats = run.stop().await;
+                ((stats.acked, stats.terminated), payloads(&db.pool).await)
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn through_a_worker_a_row_after_the_transaction_ended_is_not_committed() {
+                let entries = [Entry::new("before", 0, 1), Entry::new(ENDS, 0, 1)];
+                let (ended, payloads) = through_a_worker(&entries).await;
+                assert_eq!(ended, (1, 1), "{payloads:?}");
+                assert_eq!(payloads, ["before-0"]);
+            }
+
             /// On PostgreSQL the insert fails in the aborted transaction (redelivered, nothing
             /// committed); elsewhere the transaction goes on, and the row commits.
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,4 +274,24 @@ ride_with_the_marker!(
     "held_partitioned"
 );
 ride_with_the_marker!(mysql, MySql, sqlx::MySql, false, Inbox::new);
+
+/// MySQL with `autocommit` off in the handler's session: the server's check of the transaction
+/// (MariaDB's, which requires `autocommit` on) fails, and the marker decides: there, the row
+/// commits with it; gone with a rollback, under a transaction the next statement opened, the
+/// row is not committed.
+mod mysql_autocommit_off {
+    use super::mysql::*;
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_marker_decides() {
+        let entries = [
+            Entry::new(AUTOCOMMIT_OFF, 0, 1),
+            Entry::new(AUTOCOMMIT_OFF_ENDS, 0, 1),
+        ];
+        let (ended, payloads) = through_a_worker(&entries).await;
+        assert_eq!(ended, (1, 1), "{payloads:?}");
+        assert_eq!(payloads, ["autocommit-off-0"]);
+    }
+}
 ride_with_the_marker!(sqlite, Sqlite, sqlx::Sqlite, false, Inbox::new);

@@ -2,7 +2,7 @@
 //! public trait in a private module): its SQL is an implementation detail, and a new backend is
 //! added in this crate, where the conformance suite runs it (see CONTRIBUTING.md).
 
-use super::begin::CutSessions;
+use super::begin::{Cut, CutSessions};
 use super::{Generic, TableName};
 use crate::layout::{Layout, Partitions};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
@@ -378,8 +378,20 @@ pub trait Backend: sqlx::Database + Generic {
         insert_if_marked_select::<Self>(outbox, inbox, n)
     }
 
-    /// Whether `err`, of a [`Backend::insert_if_marked_sql`] statement, says the marker is
-    /// missing.
+    /// One row into `outbox`, bound as (msg id, subject, order key, headers, payload), inserted
+    /// only while the session is still in a transaction it began itself, checked by the server
+    /// from the session's state without reading the marker; else the statement fails with an
+    /// error [`Backend::is_missing_marker`] tells, and [`Backend::insert_if_marked_sql`]
+    /// decides. `None` where the server, as `cut` knows it, has no such check (the default).
+    /// A marker's check costs its server a subquery's planning per message; this one, an
+    /// expression.
+    fn insert_if_open_sql(_outbox: &TableName, _cut: Cut) -> Option<SqlStr> {
+        None
+    }
+
+    /// Whether `err`, of a [`Backend::insert_if_marked_sql`] or
+    /// [`Backend::insert_if_open_sql`] statement, says the marker is missing (or, of the
+    /// latter, that the session is not in a transaction of its own).
     fn is_missing_marker(_err: &sqlx::Error) -> bool {
         false
     }

@@ -258,7 +258,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             let finish = backend::finish_many_sql::<DB>(self.table(), &claimed, &hashes);
             let first = (claimed[0], H::CONSUMER, keys[claimed_at[0]]);
             let held = held.take();
-            let written = held::insert_if_marked::<DB>(&mut tx, self.table(), &held, first);
+            let written =
+                held::insert_if_marked::<DB>(&mut tx, self.table(), &held, first, self.cut.get());
             let finished = match written.await {
                 Ok(true) => DB::execute_raw(&mut tx, finish).await,
                 Ok(false) => Ok(Default::default()),

@@ -3,13 +3,16 @@
 //! id = <the marker's> ..` (on MySQL, one row as `INSERT .. VALUES` whose payload is read from
 //! the marker's row: see `Backend::insert_if_marked_sql`). It inserts the rows if and only if
 //! the marker is still there in the transaction, so that it both writes them and checks the
-//! transaction in the round trip the marker's own lookup took (see `store/process.rs`).
+//! transaction in the round trip the marker's own lookup took (see `store/process.rs`). Where
+//! the server can tell from the session alone that the transaction it began is still open
+//! (MariaDB, `Backend::insert_if_open_sql`), one row is first written with that check, cheaper
+//! than reading the marker, which decides only when the check fails.
 //!
 //! Only rows written in the very transaction the store handed the handler are held: one written
 //! in another transaction (the handler's own, or a savepoint it opened with `tx.begin()`, which
 //! it may roll back) is inserted at once, as outside a worker.
 
-use crate::backend::{InboxBackend, NewOutboxRow, TableName};
+use crate::backend::{Cut, InboxBackend, NewOutboxRow, TableName};
 use std::cell::RefCell;
 use std::future::Future;
 
@@ -133,12 +136,15 @@ fn chunk_len(rows: &[HeldRow]) -> usize {
 /// Inserts `rows` on `conn` if the marker `(id, consumer, key)` is there, a statement per
 /// table and per [`CHUNK`] rows or [`CHUNK_BYTES`] bytes, in their order. `Ok(false)`: the marker is not there (the
 /// transaction ended under the handler), and no row was inserted by the statement that found it
-/// so.
+/// so. A statement of one row is first tried with the server's own check of the transaction,
+/// where it has one (`cut`: what the inbox knows of its server; `Backend::insert_if_open_sql`),
+/// and the marker decides only when that check fails.
 pub(crate) async fn insert_if_marked<DB: InboxBackend>(
     conn: &mut DB::Connection,
     inbox: &TableName,
     rows: &[HeldRow],
     (id, consumer, key): (i64, &str, &str),
+    cut: Cut,
 ) -> Result<bool, sqlx::Error> {
     let mut start = 0;
     while start < rows.len() {
@@ -148,6 +154,19 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
             .iter()
             .map(HeldRow::new_row)
             .collect();
+        let open = DB::insert_if_open_sql(table, cut).filter(|_| same == 1);
+        if let Some(sql) = open {
+            match DB::outbox_insert(conn, sql, &chunk, None).await {
+                Ok(done) if DB::rows_affected(&done) == 1 => {
+                    start += 1;
+                    continue;
+                }
+                // Not in a transaction of its own (or a row not inserted): the marker decides.
+                Ok(_) => {}
+                Err(e) if DB::is_missing_marker(&e) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let sql = DB::insert_if_marked_sql(table, inbox, same);
         let done = DB::outbox_insert(conn, sql, &chunk, Some((id, consumer, key))).await;
         match done {
