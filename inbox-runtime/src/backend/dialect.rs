@@ -3,7 +3,7 @@
 //! added in this crate, where the conformance suite runs it (see CONTRIBUTING.md).
 
 use super::begin::{Cut, CutSessions};
-use super::{Generic, TableName};
+use super::{Generic, GenericOutbox, TableName};
 use crate::layout::{Layout, Partitions};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::future::Future;
@@ -44,7 +44,7 @@ pub enum Claimed {
 }
 
 /// One database's inbox SQL. Not public API: reachable only inside this crate.
-pub trait Backend: sqlx::Database + Generic {
+pub trait Backend: sqlx::Database + Generic + GenericOutbox {
     /// The backend's name, for logs and errors.
     const NAME: &'static str;
 

@@ -29,7 +29,7 @@ mod sqlite;
 
 pub(crate) use begin::{ArmedTx, Beginning, Cut, CutSessions};
 pub(crate) use dialect::{Backend, Claimed, RelayTurns};
-pub(crate) use executor::Generic;
+pub(crate) use executor::{Generic, GenericOutbox};
 pub use rows::FailedRow;
 pub(crate) use rows::{DeleteBatch, IdSize, KeyId, NewOutboxRow, OutboxRow};
 #[cfg(feature = "sqlite")]

@@ -370,7 +370,8 @@ fn within(sizes: &[IdSize], budget: u64) -> Vec<i64> {
     ids
 }
 
-/// Each key's smallest pending id among the rows up to the last of `rows`.
+/// Each key's smallest pending id up to the last of `rows` (pending, in id order); none, as usual,
+/// when a count (an index range; grouping costs MariaDB a temporary table on disk) finds no other.
 async fn heads<DB: InboxBackend>(
     conn: &mut DB::Connection,
     sql: &OutboxStatements,
@@ -379,6 +380,10 @@ async fn heads<DB: InboxBackend>(
     let Some(last) = rows.last() else {
         return Ok(HashMap::new());
     };
+    let pending = DB::outbox_pending_up_to(conn, sql.pending_up_to.clone(), last.id).await?;
+    if pending <= rows.len() as i64 {
+        return Ok(HashMap::new());
+    }
     let heads = DB::outbox_heads(conn, sql.heads.clone(), last.id).await?;
     Ok(heads.into_iter().map(|head| (head.key, head.id)).collect())
 }

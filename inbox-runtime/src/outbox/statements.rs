@@ -29,6 +29,8 @@ pub(crate) struct OutboxStatements {
     pub(crate) delete: SqlStr,
     /// Binds an id: (order key, smallest id) of pending rows up to that id.
     pub(crate) heads: SqlStr,
+    /// Binds an id: how many rows are pending up to that id.
+    pub(crate) pending_up_to: SqlStr,
     /// (pending rows, age in ms of the oldest).
     pub(crate) pending: SqlStr,
     /// Binds seconds, limit: deletes rows sent longer ago than that.
@@ -84,6 +86,11 @@ impl OutboxStatements {
                 "SELECT order_key, MIN(id) FROM {table} WHERE sent_at IS NULL AND id <= {} \
                  GROUP BY order_key",
                 p(1)
+            )),
+            pending_up_to: sql(format!(
+                "SELECT CAST(COUNT(*) AS {int}) FROM {table} WHERE sent_at IS NULL AND id <= {}",
+                p(1),
+                int = DB::INT64
             )),
             pending: sql(format!(
                 "SELECT CAST(COUNT(*) AS {int}), CAST(COALESCE(MAX(-({})), 0) AS {int}) \
