@@ -23,6 +23,7 @@ mod pass;
 mod relay;
 mod statements;
 mod streams;
+mod taken;
 
 pub use crate::backend::FailedRow;
 pub use error::RelayError;

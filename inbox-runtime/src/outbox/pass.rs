@@ -19,10 +19,11 @@
 use super::error::RelayError;
 use super::message::{header_value_ok, publish_subject};
 use super::relay::Relay;
-use super::statements::{OutboxStatements, TURN_WAIT};
+use super::statements::TURN_WAIT;
 use super::streams::Checks;
+use super::taken::{heads, within};
 use crate::backend::fleet::{FleetLock, delete_in_batches};
-use crate::backend::{Beginning, DeleteBatch, IdSize, InboxBackend, OutboxRow, RelayTurns};
+use crate::backend::{Beginning, DeleteBatch, InboxBackend, OutboxRow, RelayTurns};
 use crate::classify::close_if_read_only;
 use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
@@ -77,7 +78,7 @@ impl<DB: InboxBackend> Relay<DB> {
                 }
                 let ids = within(&sizes, self.max_bytes);
                 let rows = DB::outbox_rows(&mut *conn, sql.rows(&ids)).await?;
-                let heads = heads::<DB>(&mut *conn, sql, &rows).await?;
+                let heads = heads::<DB>(&mut *conn, sql, &rows, false).await?;
                 Ok::<_, RelayError>(Some((sizes, rows, heads)))
             }
             .await;
@@ -116,7 +117,7 @@ impl<DB: InboxBackend> Relay<DB> {
             let ids = within(&sizes, self.max_bytes);
             let rows = DB::outbox_rows(&mut *tx, sql.rows(&ids)).await?;
             let taken = rows.len();
-            let heads = heads::<DB>(&mut *tx, sql, &rows).await?;
+            let heads = heads::<DB>(&mut *tx, sql, &rows, true).await?;
             let done = self.publish(js, checks, rows, &heads).await;
             let more = sizes.len() as i64 >= limit || taken < sizes.len();
             let full = more && done.sent.len() == taken;
@@ -354,38 +355,6 @@ fn closing_read_only<DB: InboxBackend, T>(
         close_if_read_only(conn, e);
     }
     result
-}
-
-/// The ids of the oldest of `sizes` whose bytes add up to at most `budget`, and always the first.
-fn within(sizes: &[IdSize], budget: u64) -> Vec<i64> {
-    let mut total = 0u64;
-    let mut ids = Vec::new();
-    for row in sizes {
-        total = total.saturating_add(u64::try_from(row.size).unwrap_or(0));
-        if total > budget && !ids.is_empty() {
-            break;
-        }
-        ids.push(row.id);
-    }
-    ids
-}
-
-/// Each key's smallest pending id up to the last of `rows` (pending, in id order); none, as usual,
-/// when a count (an index range; grouping costs MariaDB a temporary table on disk) finds no other.
-async fn heads<DB: InboxBackend>(
-    conn: &mut DB::Connection,
-    sql: &OutboxStatements,
-    rows: &[OutboxRow],
-) -> Result<HashMap<String, i64>, sqlx::Error> {
-    let Some(last) = rows.last() else {
-        return Ok(HashMap::new());
-    };
-    let pending = DB::outbox_pending_up_to(conn, sql.pending_up_to.clone(), last.id).await?;
-    if pending <= rows.len() as i64 {
-        return Ok(HashMap::new());
-    }
-    let heads = DB::outbox_heads(conn, sql.heads.clone(), last.id).await?;
-    Ok(heads.into_iter().map(|head| (head.key, head.id)).collect())
 }
 
 /// What a pass's publishing came to.
