@@ -202,10 +202,11 @@ macro_rules! ride_with_the_marker {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn through_a_worker_a_row_after_the_transaction_ended_is_not_committed() {
-                let entries = [Entry::new("before", 0, 1), Entry::new(ENDS, 0, 1)];
-                let (ended, payloads) = through_a_worker(&entries).await;
-                assert_eq!(ended, (1, 1), "{payloads:?}");
-                assert_eq!(payloads, ["before-0"]);
+                // Alone: under `cargo xtask test --batched`, a batch whose transaction ended
+                // dead-letters every message in it.
+                let (ended, payloads) = through_a_worker(&[Entry::new(ENDS, 0, 1)]).await;
+                assert_eq!(ended, (0, 1), "{payloads:?}");
+                assert!(payloads.is_empty(), "{payloads:?}");
             }
 
             /// On PostgreSQL the insert fails in the aborted transaction (redelivered, nothing
@@ -285,13 +286,13 @@ mod mysql_autocommit_off {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_marker_decides() {
-        let entries = [
-            Entry::new(AUTOCOMMIT_OFF, 0, 1),
-            Entry::new(AUTOCOMMIT_OFF_ENDS, 0, 1),
-        ];
-        let (ended, payloads) = through_a_worker(&entries).await;
-        assert_eq!(ended, (1, 1), "{payloads:?}");
+        // Each alone (a batch whose transaction ended dead-letters every message in it).
+        let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF, 0, 1)]).await;
+        assert_eq!(ended, (1, 0), "{payloads:?}");
         assert_eq!(payloads, ["autocommit-off-0"]);
+        let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF_ENDS, 0, 1)]).await;
+        assert_eq!(ended, (0, 1), "{payloads:?}");
+        assert!(payloads.is_empty(), "{payloads:?}");
     }
 }
 ride_with_the_marker!(sqlite, Sqlite, sqlx::Sqlite, false, Inbox::new);
