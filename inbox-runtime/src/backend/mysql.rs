@@ -192,11 +192,13 @@ impl Backend for MySql {
     /// ended (raw transaction control in a handler, as its own COMMIT, voids the guarantee).
     /// Measured in turn against the subquery: MariaDB's CPU per message down by a tenth.
     fn insert_if_open_sql(outbox: &TableName, cut: Cut) -> Option<SqlStr> {
-        let sql = format!(
-            "INSERT INTO {outbox} (msg_id, subject, order_key, headers, payload) VALUES \
-             (?, ?, ?, ?, IF(@@in_transaction AND @@autocommit, ?, NULL))"
-        );
-        (cut == Cut::Bounded).then(|| AssertSqlSafe(sql).into_sql_str())
+        (cut == Cut::Bounded).then(|| {
+            AssertSqlSafe(format!(
+                "INSERT INTO {outbox} (msg_id, subject, order_key, headers, payload) VALUES \
+                 (?, ?, ?, ?, IF(@@in_transaction AND @@autocommit, ?, NULL))"
+            ))
+            .into_sql_str()
+        })
     }
 
     /// 1048: the payload of a one-row insert was NULL: no marker.

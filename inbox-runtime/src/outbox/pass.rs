@@ -78,7 +78,7 @@ impl<DB: InboxBackend> Relay<DB> {
                 }
                 let ids = within(&sizes, self.max_bytes);
                 let rows = DB::outbox_rows(&mut *conn, sql.rows(&ids)).await?;
-                let heads = heads::<DB>(&mut *conn, sql, &rows, false).await?;
+                let heads = heads::<DB>(&mut *conn, sql, &rows).await?;
                 Ok::<_, RelayError>(Some((sizes, rows, heads)))
             }
             .await;
@@ -117,7 +117,7 @@ impl<DB: InboxBackend> Relay<DB> {
             let ids = within(&sizes, self.max_bytes);
             let rows = DB::outbox_rows(&mut *tx, sql.rows(&ids)).await?;
             let taken = rows.len();
-            let heads = heads::<DB>(&mut *tx, sql, &rows, true).await?;
+            let heads = heads::<DB>(&mut *tx, sql, &rows).await?;
             let done = self.publish(js, checks, rows, &heads).await;
             let more = sizes.len() as i64 >= limit || taken < sizes.len();
             let full = more && done.sent.len() == taken;

@@ -3,7 +3,7 @@
 //! row the pass does not have.
 
 use super::statements::OutboxStatements;
-use crate::backend::{IdSize, InboxBackend, OutboxRow};
+use crate::backend::{IdSize, InboxBackend, OutboxRow, RelayTurns};
 use std::collections::HashMap;
 
 /// The ids of the oldest of `sizes` whose bytes add up to at most `budget`, and always the first.
@@ -20,19 +20,19 @@ pub(super) fn within(sizes: &[IdSize], budget: u64) -> Vec<i64> {
     ids
 }
 
-/// Each key's smallest pending id up to the last of `rows` (pending, in id order). `locked`
-/// (rows the pass holds): none, as usual, when a count (an index range; the grouping costs
-/// MariaDB a temporary table on disk) finds no other; under a lease one may be marked meanwhile.
+/// Each key's smallest pending id up to the last of `rows` (pending, in id order). Where the pass
+/// locks its rows: none, as usual, when a count (an index range; the grouping costs MariaDB a
+/// temporary table on disk) finds no other; under a lease (nothing locked) one may be marked
+/// meanwhile, so the grouping always runs.
 pub(super) async fn heads<DB: InboxBackend>(
     conn: &mut DB::Connection,
     sql: &OutboxStatements,
     rows: &[OutboxRow],
-    locked: bool,
 ) -> Result<HashMap<String, i64>, sqlx::Error> {
     let Some(last) = rows.last() else {
         return Ok(HashMap::new());
     };
-    if locked {
+    if DB::RELAY_TURNS == RelayTurns::SkipLocked {
         let pending = DB::outbox_pending_up_to(conn, sql.pending_up_to.clone(), last.id);
         if pending.await? <= rows.len() as i64 {
             return Ok(HashMap::new());

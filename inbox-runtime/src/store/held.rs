@@ -154,17 +154,18 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
             .iter()
             .map(HeldRow::new_row)
             .collect();
-        let open = DB::insert_if_open_sql(table, cut).filter(|_| same == 1);
+        let open = (same == 1)
+            .then(|| DB::insert_if_open_sql(table, cut))
+            .flatten();
         if let Some(sql) = open {
             match DB::outbox_insert(conn, sql, &chunk, None).await {
                 Ok(done) if DB::rows_affected(&done) == 1 => {
                     start += 1;
                     continue;
                 }
-                // Not in a transaction of its own (or a row not inserted): the marker decides.
-                Ok(_) => {}
-                Err(e) if DB::is_missing_marker(&e) => {}
-                Err(e) => return Err(e),
+                Err(e) if !DB::is_missing_marker(&e) => return Err(e),
+                // Not in a transaction of its own: the marker decides.
+                _ => {}
             }
         }
         let sql = DB::insert_if_marked_sql(table, inbox, same);
