@@ -378,6 +378,22 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
         insert_if_marked_select::<Self>(outbox, inbox, n)
     }
 
+    /// Inserts `rows` (one statement, one outbox table) into `outbox`, in their order, if the
+    /// marker `(id, consumer, key)` is in `inbox`; none otherwise (or the statement fails with
+    /// an error [`Backend::is_missing_marker`] tells). By default the statement of
+    /// [`Backend::insert_if_marked_sql`]; a dialect that binds a batch's rows as arrays
+    /// overrides it, so that every batch runs one statement text, read and planned once, that
+    /// looks the marker up once.
+    fn insert_held<'a>(
+        conn: &'a mut Self::Connection,
+        (outbox, inbox): (&TableName, &TableName),
+        rows: &'a [super::NewOutboxRow<'a>],
+        marker: (i64, &'a str, &'a str),
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a {
+        let sql = Self::insert_if_marked_sql(outbox, inbox, rows.len());
+        Self::outbox_insert(conn, sql, rows, Some(marker))
+    }
+
     /// One row into `outbox`, bound as (msg id, subject, order key, headers, payload), inserted
     /// only while the session is still in a transaction it began itself, checked by the server
     /// from the session's state without reading the marker; else the statement fails with an

@@ -5,10 +5,11 @@
 use super::TableName;
 mod partitioned;
 
-use super::{Backend, Claimed, KeyId};
+use super::{Backend, Claimed, GenericOutbox, KeyId, NewOutboxRow};
 use crate::layout::{Layout, Partitions};
 use partitioned::{claim_many_partitioned, partitioned_cleanup, partitioned_migrations};
 use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr, SqlStr, Transaction};
+use std::future::Future;
 use std::time::Duration;
 
 impl Backend for Postgres {
@@ -260,6 +261,50 @@ impl Backend for Postgres {
             .fetch_all(&mut **tx)
             .await?;
         Ok(super::claims_of(keys, rows))
+    }
+
+    /// Several rows go as arrays, `unnest`ed in their order: one statement text for every
+    /// batch (an arm per row would be a new text, parsed and planned again, for each count
+    /// of rows), and one lookup of the marker.
+    fn insert_held<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        (outbox, inbox): (&TableName, &TableName),
+        rows: &'a [NewOutboxRow<'a>],
+        (id, consumer, key): (i64, &'a str, &'a str),
+    ) -> impl Future<Output = Result<sqlx::postgres::PgQueryResult, sqlx::Error>> + Send + 'a {
+        // One row: the default's statement, as a message's.
+        let sql = match rows.len() {
+            0 | 1 => Err(Self::insert_if_marked_sql(outbox, inbox, rows.len())),
+            _ => Ok(AssertSqlSafe(format!(
+                "INSERT INTO {outbox} (msg_id, subject, order_key, headers, payload) \
+                 SELECT msg_id, subject, order_key, headers, payload \
+                 FROM unnest($1::varchar[], $2::text[], $3::text[], $4::text[], $5::bytea[]) \
+                 WITH ORDINALITY AS t(msg_id, subject, order_key, headers, payload, n) \
+                 WHERE EXISTS (SELECT 1 FROM {inbox} \
+                 WHERE id = $6 AND consumer = $7 AND message_key = $8) ORDER BY n"
+            ))),
+        };
+        async move {
+            let many = match sql {
+                Ok(many) => many,
+                Err(one) => {
+                    return Self::outbox_insert(conn, one, rows, Some((id, consumer, key))).await;
+                }
+            };
+            let column =
+                |f: fn(&NewOutboxRow<'a>) -> &'a str| rows.iter().map(f).collect::<Vec<_>>();
+            sqlx::query(many)
+                .bind(column(|r| r.msg_id))
+                .bind(column(|r| r.subject))
+                .bind(column(|r| r.order_key))
+                .bind(column(|r| r.headers))
+                .bind(rows.iter().map(|r| r.payload).collect::<Vec<&[u8]>>())
+                .bind(id)
+                .bind(consumer)
+                .bind(key)
+                .execute(conn)
+                .await
+        }
     }
 
     async fn add_partitions<'a>(

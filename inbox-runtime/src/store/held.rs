@@ -168,8 +168,7 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
                 _ => {}
             }
         }
-        let sql = DB::insert_if_marked_sql(table, inbox, same);
-        let done = DB::outbox_insert(conn, sql, &chunk, Some((id, consumer, key))).await;
+        let done = DB::insert_held(conn, (table, inbox), &chunk, (id, consumer, key)).await;
         match done {
             Ok(done) if DB::rows_affected(&done) == same as u64 => {}
             Ok(_) => return Ok(false),
