@@ -9,9 +9,10 @@
 //!   committed, since the insert found no marker;
 //! - a handler that swallows a failed statement's error and then writes a row: on PostgreSQL,
 //!   whose transaction is aborted, the insert fails and nothing commits;
-//! - the same end through a worker, whose deadline tells it its server: on MariaDB one row is
+//! - the same end through a worker, whose deadline tells it its server: on MariaDB the rows are
 //!   written with the server's check of the transaction (`@@in_transaction AND @@autocommit`)
-//!   instead of the marker's lookup, and with `autocommit` off the marker decides again;
+//!   instead of the marker's lookup (several rows in one statement, strict for itself even when
+//!   the session is not), and with `autocommit` off the marker decides again;
 //! - through a worker, batched, every message's rows commit, in each message's order;
 //! - all of it on PostgreSQL's partitioned inbox too, whose markers are finished after the
 //!   rows' insert.
@@ -34,6 +35,9 @@ const AUTOCOMMIT_OFF: &str = "autocommit-off";
 /// MySQL: the key whose handler turns `autocommit` off, ends its transaction and reads a table,
 /// which opens a transaction that is not the marker's, before writing.
 const AUTOCOMMIT_OFF_ENDS: &str = "autocommit-off-end";
+/// MySQL: the key whose handler takes its session out of strict mode (where a multi-row insert
+/// stores a NULL into a NOT NULL column as `''`) and ends its transaction before writing.
+const NOT_STRICT_ENDS: &str = "not-strict-end";
 
 macro_rules! ride_with_the_marker {
     ($name:ident, $backend:ty, $db:ty, $aborts:literal, $inbox:expr) => {
@@ -69,7 +73,12 @@ macro_rules! ride_with_the_marker {
                         .execute(&mut **tx)
                         .await?;
                 }
-                if msg.key == ENDS || msg.key == AUTOCOMMIT_OFF_ENDS {
+                if msg.key == NOT_STRICT_ENDS {
+                    sqlx::raw_sql("SET SESSION sql_mode = ''")
+                        .execute(&mut **tx)
+                        .await?;
+                }
+                if msg.key == ENDS || msg.key == AUTOCOMMIT_OFF_ENDS || msg.key == NOT_STRICT_ENDS {
                     sqlx::raw_sql("ROLLBACK").execute(&mut **tx).await?;
                 }
                 if msg.key == AUTOCOMMIT_OFF_ENDS {
@@ -204,9 +213,12 @@ macro_rules! ride_with_the_marker {
             async fn through_a_worker_a_row_after_the_transaction_ended_is_not_committed() {
                 // Alone: under `cargo xtask test --batched`, a batch whose transaction ended
                 // dead-letters every message in it.
-                let (ended, payloads) = through_a_worker(&[Entry::new(ENDS, 0, 1)]).await;
-                assert_eq!(ended, (0, 1), "{payloads:?}");
-                assert!(payloads.is_empty(), "{payloads:?}");
+                // One row, and two (on MariaDB, one multi-row statement with the check).
+                for rows in [1, 2] {
+                    let (ended, payloads) = through_a_worker(&[Entry::new(ENDS, 0, rows)]).await;
+                    assert_eq!(ended, (0, 1), "{rows}: {payloads:?}");
+                    assert!(payloads.is_empty(), "{rows}: {payloads:?}");
+                }
             }
 
             /// On PostgreSQL the insert fails in the aborted transaction (redelivered, nothing
@@ -290,7 +302,24 @@ mod mysql_autocommit_off {
         let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF, 0, 1)]).await;
         assert_eq!(ended, (1, 0), "{payloads:?}");
         assert_eq!(payloads, ["autocommit-off-0"]);
+        let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF, 0, 2)]).await;
+        assert_eq!(ended, (1, 0), "{payloads:?}");
+        assert_eq!(payloads, ["autocommit-off-0", "autocommit-off-1"]);
         let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF_ENDS, 0, 1)]).await;
+        assert_eq!(ended, (0, 1), "{payloads:?}");
+        assert!(payloads.is_empty(), "{payloads:?}");
+    }
+}
+
+/// MySQL with the session out of strict mode: MariaDB's multi-row insert with the server's
+/// check is strict for itself, so that a failed check fails it rather than storing `''`.
+mod mysql_not_strict {
+    use super::mysql::*;
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_check_stores_nothing() {
+        let (ended, payloads) = through_a_worker(&[Entry::new(NOT_STRICT_ENDS, 0, 2)]).await;
         assert_eq!(ended, (0, 1), "{payloads:?}");
         assert!(payloads.is_empty(), "{payloads:?}");
     }

@@ -394,14 +394,14 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
         Self::outbox_insert(conn, sql, rows, Some(marker))
     }
 
-    /// One row into `outbox`, bound as (msg id, subject, order key, headers, payload), inserted
-    /// only while the session is still in a transaction it began itself, checked by the server
-    /// from the session's state without reading the marker; else the statement fails with an
-    /// error [`Backend::is_missing_marker`] tells, and [`Backend::insert_if_marked_sql`]
-    /// decides. `None` where the server, as `cut` knows it, has no such check (the default).
-    /// A marker's check costs its server a subquery's planning per message; this one, an
-    /// expression.
-    fn insert_if_open_sql(_outbox: &TableName, _cut: Cut) -> Option<SqlStr> {
+    /// `n` rows into `outbox`, each bound as (msg id, subject, order key, headers, payload),
+    /// inserted in their order only while the session is still in a transaction it began
+    /// itself, checked by the server from the session's state without reading the marker;
+    /// else the statement fails with an error [`Backend::is_missing_marker`] tells, and
+    /// [`Backend::insert_held`] decides. `None` where the server, as `cut` knows it, has no
+    /// such check (the default). A marker's check costs its server a subquery's planning per
+    /// message; this one, an expression.
+    fn insert_if_open_sql(_outbox: &TableName, _cut: Cut, _n: usize) -> Option<SqlStr> {
         None
     }
 

@@ -191,11 +191,20 @@ impl Backend for MySql {
     /// caught, where the lookup would be: a BEGIN of the handler's own after its transaction
     /// ended (raw transaction control in a handler, as its own COMMIT, voids the guarantee).
     /// Measured in turn against the subquery: MariaDB's CPU per message down by a tenth.
-    fn insert_if_open_sql(outbox: &TableName, cut: Cut) -> Option<SqlStr> {
+    /// Several rows (a batch's) go as one multi-row `VALUES`, strict for the statement:
+    /// outside strict mode a NULL into a NOT NULL column of a multi-row insert is stored as
+    /// `''` with a warning, where a one-row insert fails either way.
+    fn insert_if_open_sql(outbox: &TableName, cut: Cut, n: usize) -> Option<SqlStr> {
         (cut == Cut::Bounded).then(|| {
+            let row = "(?, ?, ?, ?, IF(@@in_transaction AND @@autocommit, ?, NULL))";
+            let strict = match n {
+                1 => "",
+                _ => "SET STATEMENT sql_mode = 'STRICT_ALL_TABLES' FOR ",
+            };
             AssertSqlSafe(format!(
-                "INSERT INTO {outbox} (msg_id, subject, order_key, headers, payload) VALUES \
-                 (?, ?, ?, ?, IF(@@in_transaction AND @@autocommit, ?, NULL))"
+                "{strict}INSERT INTO {outbox} (msg_id, subject, order_key, headers, payload) \
+                 VALUES {}",
+                vec![row; n.max(1)].join(", ")
             ))
             .into_sql_str()
         })

@@ -1,12 +1,13 @@
 //! Outbox rows a worker's handler writes, held until the handler returns and then written with
 //! the check of its marker, in one statement: `INSERT INTO outbox .. SELECT .. FROM inbox WHERE
 //! id = <the marker's> ..` (on MySQL, one row as `INSERT .. VALUES` whose payload is read from
-//! the marker's row: see `Backend::insert_if_marked_sql`). It inserts the rows if and only if
+//! the marker's row: see `Backend::insert_if_marked_sql`; on PostgreSQL, several rows as
+//! arrays: `Backend::insert_held`). It inserts the rows if and only if
 //! the marker is still there in the transaction, so that it both writes them and checks the
 //! transaction in the round trip the marker's own lookup took (see `store/process.rs`). Where
 //! the server can tell from the session alone that the transaction it began is still open
-//! (MariaDB, `Backend::insert_if_open_sql`), one row is first written with that check, cheaper
-//! than reading the marker, which decides only when the check fails.
+//! (MariaDB, `Backend::insert_if_open_sql`), the rows are first written with that check,
+//! cheaper than reading the marker, which decides only when the check fails.
 //!
 //! Only rows written in the very transaction the store handed the handler are held: one written
 //! in another transaction (the handler's own, or a savepoint it opened with `tx.begin()`, which
@@ -136,7 +137,7 @@ fn chunk_len(rows: &[HeldRow]) -> usize {
 /// Inserts `rows` on `conn` if the marker `(id, consumer, key)` is there, a statement per
 /// table and per [`CHUNK`] rows or [`CHUNK_BYTES`] bytes, in their order. `Ok(false)`: the marker is not there (the
 /// transaction ended under the handler), and no row was inserted by the statement that found it
-/// so. A statement of one row is first tried with the server's own check of the transaction,
+/// so. Each statement is first tried with the server's own check of the transaction,
 /// where it has one (`cut`: what the inbox knows of its server; `Backend::insert_if_open_sql`),
 /// and the marker decides only when that check fails.
 pub(crate) async fn insert_if_marked<DB: InboxBackend>(
@@ -154,13 +155,10 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
             .iter()
             .map(HeldRow::new_row)
             .collect();
-        let open = (same == 1)
-            .then(|| DB::insert_if_open_sql(table, cut))
-            .flatten();
-        if let Some(sql) = open {
+        if let Some(sql) = DB::insert_if_open_sql(table, cut, same) {
             match DB::outbox_insert(conn, sql, &chunk, None).await {
-                Ok(done) if DB::rows_affected(&done) == 1 => {
-                    start += 1;
+                Ok(done) if DB::rows_affected(&done) == same as u64 => {
+                    start += same;
                     continue;
                 }
                 Err(e) if !DB::is_missing_marker(&e) => return Err(e),
