@@ -394,6 +394,43 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
         Self::outbox_insert(conn, sql, rows, Some(marker))
     }
 
+    /// Sets `processed_at` on a batch's markers `ids` of `table`, and each one's payload hash
+    /// where `hashes` has one. By default the ids and hashes are written into the statement,
+    /// run unprepared (its text changes with every batch); a dialect that binds arrays
+    /// overrides this and the two below, so that one text is read and planned once.
+    fn finish_many<'a>(
+        conn: &'a mut Self::Connection,
+        table: &TableName,
+        ids: &'a [i64],
+        hashes: &'a [Option<&'a str>],
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a {
+        Self::execute_raw(conn, super::finish_many_sql::<Self>(table, ids, hashes))
+    }
+
+    /// The outbox: marks the rows `ids` of `table` sent.
+    fn mark_sent<'a>(
+        conn: &'a mut Self::Connection,
+        table: &TableName,
+        ids: &'a [i64],
+    ) -> impl Future<Output = Result<Self::QueryResult, sqlx::Error>> + Send + 'a {
+        Self::execute_raw(conn, super::stamp_ids_sql::<Self>(table, "sent_at", ids))
+    }
+
+    /// The outbox: the rows `ids` of `table` (which a pass has locked), in id order.
+    fn outbox_rows_of<'a>(
+        conn: &'a mut Self::Connection,
+        table: &TableName,
+        ids: &'a [i64],
+    ) -> impl Future<Output = Result<Vec<super::OutboxRow>, sqlx::Error>> + Send + 'a {
+        let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+        let sql = AssertSqlSafe(format!(
+            "SELECT id, msg_id, subject, order_key, headers, payload FROM {table} \
+             WHERE id IN ({}) ORDER BY id",
+            list.join(", ")
+        ));
+        Self::outbox_rows(conn, sql.into_sql_str())
+    }
+
     /// `n` rows into `outbox`, each bound as (msg id, subject, order key, headers, payload),
     /// inserted in their order only while the session is still in a transaction it began
     /// itself, checked by the server from the session's state without reading the marker;

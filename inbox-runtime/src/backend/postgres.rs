@@ -3,9 +3,10 @@
 //! never an error. Transactions are READ COMMITTED (the default) with a `lock_timeout`.
 
 use super::TableName;
+mod arrays;
 mod partitioned;
 
-use super::{Backend, Claimed, GenericOutbox, KeyId, NewOutboxRow};
+use super::{Backend, Claimed, GenericOutbox, KeyId, NewOutboxRow, OutboxRow};
 use crate::layout::{Layout, Partitions};
 use partitioned::{claim_many_partitioned, partitioned_cleanup, partitioned_migrations};
 use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr, SqlStr, Transaction};
@@ -275,14 +276,7 @@ impl Backend for Postgres {
         // One row: the default's statement, as a message's.
         let sql = match rows.len() {
             0 | 1 => Err(Self::insert_if_marked_sql(outbox, inbox, rows.len())),
-            _ => Ok(AssertSqlSafe(format!(
-                "INSERT INTO {outbox} (msg_id, subject, order_key, headers, payload) \
-                 SELECT msg_id, subject, order_key, headers, payload \
-                 FROM unnest($1::varchar[], $2::text[], $3::text[], $4::text[], $5::bytea[]) \
-                 WITH ORDINALITY AS t(msg_id, subject, order_key, headers, payload, n) \
-                 WHERE EXISTS (SELECT 1 FROM {inbox} \
-                 WHERE id = $6 AND consumer = $7 AND message_key = $8) ORDER BY n"
-            ))),
+            _ => Ok(arrays::insert_held(outbox, inbox)),
         };
         async move {
             let many = match sql {
@@ -305,6 +299,40 @@ impl Backend for Postgres {
                 .execute(conn)
                 .await
         }
+    }
+
+    fn finish_many<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        table: &TableName,
+        ids: &'a [i64],
+        hashes: &'a [Option<&'a str>],
+    ) -> impl Future<Output = Result<sqlx::postgres::PgQueryResult, sqlx::Error>> + Send + 'a {
+        let sql = arrays::finish_many(table);
+        // As the default writes them: hex digits only.
+        let hashes: Vec<Option<&str>> = (hashes.iter())
+            .map(|h| h.filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit())))
+            .collect();
+        async move { sqlx::query(sql).bind(ids).bind(hashes).execute(conn).await }
+    }
+
+    fn mark_sent<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        table: &TableName,
+        ids: &'a [i64],
+    ) -> impl Future<Output = Result<sqlx::postgres::PgQueryResult, sqlx::Error>> + Send + 'a {
+        sqlx::query(arrays::mark_sent(table))
+            .bind(ids)
+            .execute(conn)
+    }
+
+    fn outbox_rows_of<'a>(
+        conn: &'a mut sqlx::PgConnection,
+        table: &TableName,
+        ids: &'a [i64],
+    ) -> impl Future<Output = Result<Vec<OutboxRow>, sqlx::Error>> + Send + 'a {
+        sqlx::query_as(arrays::rows_of(table))
+            .bind(ids)
+            .fetch_all(conn)
     }
 
     async fn add_partitions<'a>(

@@ -77,7 +77,7 @@ impl<DB: InboxBackend> Relay<DB> {
                     return Ok(None);
                 }
                 let ids = within(&sizes, self.max_bytes);
-                let rows = DB::outbox_rows(&mut *conn, sql.rows(&ids)).await?;
+                let rows = DB::outbox_rows_of(&mut *conn, &sql.table, &ids).await?;
                 let heads = heads::<DB>(&mut *conn, sql, &rows).await?;
                 Ok::<_, RelayError>(Some((sizes, rows, heads)))
             }
@@ -115,7 +115,7 @@ impl<DB: InboxBackend> Relay<DB> {
             }
             // Locked are all of `sizes`; loaded, the oldest that fit the byte budget.
             let ids = within(&sizes, self.max_bytes);
-            let rows = DB::outbox_rows(&mut *tx, sql.rows(&ids)).await?;
+            let rows = DB::outbox_rows_of(&mut *tx, &sql.table, &ids).await?;
             let taken = rows.len();
             let heads = heads::<DB>(&mut *tx, sql, &rows).await?;
             let done = self.publish(js, checks, rows, &heads).await;
@@ -170,7 +170,7 @@ impl<DB: InboxBackend> Relay<DB> {
         let sql = self.outbox.statements();
         let written = DB::RELAY_TURNS == RelayTurns::Lease;
         if !done.sent.is_empty() {
-            DB::execute_raw(&mut *conn, sql.mark_sent::<DB>(&done.sent)).await?;
+            DB::mark_sent(&mut *conn, &sql.table, &done.sent).await?;
             if written {
                 self.count_marked(done.sent.len());
             }

@@ -1,6 +1,6 @@
 //! The outbox's SQL, written once per [`Outbox`](super::Outbox).
 
-use crate::backend::{Begin, InboxBackend, TableName, stamp_ids_sql};
+use crate::backend::{Begin, InboxBackend, TableName};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 use std::time::Duration;
 
@@ -125,24 +125,6 @@ impl OutboxStatements {
             0 => self.fetch.clone(),
             n => fetch_sql::<DB>(&self.table, n),
         }
-    }
-
-    /// The rows `ids` (which a pass has locked), in id order.
-    pub(crate) fn rows(&self, ids: &[i64]) -> SqlStr {
-        let list: Vec<String> = ids.iter().map(i64::to_string).collect();
-        AssertSqlSafe(format!(
-            "SELECT id, msg_id, subject, order_key, headers, payload FROM {} \
-             WHERE id IN ({}) ORDER BY id",
-            self.table,
-            list.join(", ")
-        ))
-        .into_sql_str()
-    }
-
-    /// Marks rows `ids` sent. The ids are the database's own integers, written into the
-    /// statement (it runs unprepared, since its text changes with every batch).
-    pub(crate) fn mark_sent<DB: InboxBackend>(&self, ids: &[i64]) -> SqlStr {
-        stamp_ids_sql::<DB>(&self.table, "sent_at", ids)
     }
 }
 

@@ -255,13 +255,12 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .iter()
                 .map(|&i| deliveries[i].payload_hash.as_deref())
                 .collect();
-            let finish = backend::finish_many_sql::<DB>(self.table(), &claimed, &hashes);
             let first = (claimed[0], H::CONSUMER, keys[claimed_at[0]]);
             let held = held.take();
             let written =
                 held::insert_if_marked::<DB>(&mut tx, self.table(), &held, first, self.cut.get());
             let finished = match written.await {
-                Ok(true) => DB::execute_raw(&mut tx, finish).await,
+                Ok(true) => DB::finish_many(&mut tx, self.table(), &claimed, &hashes).await,
                 Ok(false) => Ok(Default::default()),
                 Err(e) => Err(e),
             };

@@ -189,9 +189,55 @@ async fn key_reuse_within_one_batch<B: TestBackend>() {
     }
 }
 
+/// A batch writes each marker's payload hash with its `processed_at` (one statement for the
+/// batch): a copy with another payload, coming after the batch committed, is told from an
+/// honest duplicate.
+async fn key_reused_after_its_batch_committed_is_counted<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(4).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let first = ["a", "b", "c"].map(|k| Entry::new(k, 1, 1).json());
+    nats.publish_all(first).await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .concurrency(1)
+        .batch(8, Duration::from_millis(200))
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until("the batch acked", Duration::from_secs(60), async || {
+        worker.stats().acked == 3
+    })
+    .await
+    .unwrap();
+    let hashed = "SELECT count(*) FROM inbox WHERE processed_at IS NOT NULL \
+                  AND payload_hash IS NOT NULL";
+    assert_eq!(
+        B::count(&db, hashed).await,
+        3,
+        "every marker's hash written"
+    );
+    nats.publish_all([Entry::new("b", 1, 1).json(), Entry::new("c", 1, 2).json()])
+        .await;
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!(
+        (
+            stats.acked,
+            stats.skipped,
+            stats.terminated,
+            stats.key_reuses
+        ),
+        (3, 2, 0, 1),
+        "{stats:?}"
+    );
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 3);
+}
+
 super::behaviours!(partitioned_too;
     the_marker_commits_finished_with_its_hash,
     key_reuse_within_one_batch,
+    key_reused_after_its_batch_committed_is_counted,
     key_reused_with_another_payload_is_counted,
     key_reuse_rejected_is_dead_lettered,
     key_reuse_found_after_waiting_for_the_original,
