@@ -9,10 +9,11 @@
 //!   committed, since the insert found no marker;
 //! - a handler that swallows a failed statement's error and then writes a row: on PostgreSQL,
 //!   whose transaction is aborted, the insert fails and nothing commits;
-//! - the same end through a worker, whose deadline tells it its server: on MariaDB the rows are
+//! - the same end through a worker, whose deadline tells it its server: on MariaDB one row is
 //!   written with the server's check of the transaction (`@@in_transaction AND @@autocommit`)
-//!   instead of the marker's lookup (several rows in one statement, strict for itself even when
-//!   the session is not), and with `autocommit` off the marker decides again;
+//!   instead of the marker's lookup, and so are a batch's rows (in one statement, strict for
+//!   itself even when the session is not; the batch's finish checks the markers after them);
+//!   with `autocommit` off the marker decides again;
 //! - through a worker, batched, every message's rows commit, in each message's order;
 //! - all of it on PostgreSQL's partitioned inbox too, whose markers are finished after the
 //!   rows' insert.
@@ -35,6 +36,10 @@ const AUTOCOMMIT_OFF: &str = "autocommit-off";
 /// MySQL: the key whose handler turns `autocommit` off, ends its transaction and reads a table,
 /// which opens a transaction that is not the marker's, before writing.
 const AUTOCOMMIT_OFF_ENDS: &str = "autocommit-off-end";
+/// The key whose handler ends its transaction and begins one of its own before writing (raw
+/// transaction control, which voids the guarantee for a single row on MariaDB; several rows
+/// are still checked against the marker).
+const RESTARTS: &str = "restart";
 /// MySQL: the key whose handler takes its session out of strict mode (where a multi-row insert
 /// stores a NULL into a NOT NULL column as `''`) and ends its transaction before writing.
 const NOT_STRICT_ENDS: &str = "not-strict-end";
@@ -78,8 +83,13 @@ macro_rules! ride_with_the_marker {
                         .execute(&mut **tx)
                         .await?;
                 }
-                if msg.key == ENDS || msg.key == AUTOCOMMIT_OFF_ENDS || msg.key == NOT_STRICT_ENDS {
+                if [ENDS, AUTOCOMMIT_OFF_ENDS, NOT_STRICT_ENDS, RESTARTS]
+                    .contains(&msg.key.as_str())
+                {
                     sqlx::raw_sql("ROLLBACK").execute(&mut **tx).await?;
+                }
+                if msg.key == RESTARTS {
+                    sqlx::raw_sql("BEGIN").execute(&mut **tx).await?;
                 }
                 if msg.key == AUTOCOMMIT_OFF_ENDS {
                     sqlx::raw_sql("SELECT count(*) FROM outbox")
@@ -185,15 +195,26 @@ macro_rules! ride_with_the_marker {
             /// each is acked or terminated; returns (acked, terminated) and the outbox's
             /// payloads.
             pub(super) async fn through_a_worker(entries: &[Entry]) -> ((u64, u64), Vec<String>) {
+                through(entries, None).await
+            }
+
+            /// As [`through_a_worker`], in batches (on MariaDB, a batch's rows are written in
+            /// one statement with the server's check, and its finish checks the markers
+            /// after them).
+            pub(super) async fn through_a_batch(entries: &[Entry]) -> ((u64, u64), Vec<String>) {
+                through(entries, Some(8)).await
+            }
+
+            async fn through(entries: &[Entry], batch: Option<usize>) -> ((u64, u64), Vec<String>) {
                 let (db, inbox, outbox) = setup().await;
                 let nats = NatsStream::create().await;
                 let consumer = nats.consumer("c", Duration::from_secs(30)).await;
                 nats.publish_all(entries.iter().map(Entry::json)).await;
-                let worker = nats
-                    .worker(inbox, consumer)
-                    .concurrency(1)
-                    .build_with_state(announce, outbox.clone())
-                    .unwrap();
+                let mut builder = nats.worker(inbox, consumer).concurrency(1);
+                if let Some(n) = batch {
+                    builder = builder.batch(n, Duration::from_millis(200));
+                }
+                let worker = builder.build_with_state(announce, outbox.clone()).unwrap();
                 let run = Running::start(&worker);
                 wait_until(
                     "every message to end",
@@ -213,12 +234,29 @@ macro_rules! ride_with_the_marker {
             async fn through_a_worker_a_row_after_the_transaction_ended_is_not_committed() {
                 // Alone: under `cargo xtask test --batched`, a batch whose transaction ended
                 // dead-letters every message in it.
-                // One row, and two (on MariaDB, one multi-row statement with the check).
+                // One row, and two; alone and in a batch (there, on MariaDB, one multi-row
+                // statement with the server's check).
                 for rows in [1, 2] {
-                    let (ended, payloads) = through_a_worker(&[Entry::new(ENDS, 0, rows)]).await;
-                    assert_eq!(ended, (0, 1), "{rows}: {payloads:?}");
-                    assert!(payloads.is_empty(), "{rows}: {payloads:?}");
+                    for batched in [false, true] {
+                        let entries = [Entry::new(ENDS, 0, rows)];
+                        let (ended, payloads) = match batched {
+                            false => through_a_worker(&entries).await,
+                            true => through_a_batch(&entries).await,
+                        };
+                        assert_eq!(ended, (0, 1), "{rows}, {batched}: {payloads:?}");
+                        assert!(payloads.is_empty(), "{rows}, {batched}: {payloads:?}");
+                    }
                 }
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn through_a_worker_rows_in_a_transaction_of_the_handlers_own_are_not_committed()
+            {
+                // Two rows: MariaDB's check of the session would take the handler's BEGIN for
+                // the worker's, so a message's several rows go by the marker.
+                let (ended, payloads) = through_a_worker(&[Entry::new(RESTARTS, 0, 2)]).await;
+                assert_eq!(ended, (0, 1), "{payloads:?}");
+                assert!(payloads.is_empty(), "{payloads:?}");
             }
 
             /// On PostgreSQL the insert fails in the aborted transaction (redelivered, nothing
@@ -302,7 +340,7 @@ mod mysql_autocommit_off {
         let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF, 0, 1)]).await;
         assert_eq!(ended, (1, 0), "{payloads:?}");
         assert_eq!(payloads, ["autocommit-off-0"]);
-        let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF, 0, 2)]).await;
+        let (ended, payloads) = through_a_batch(&[Entry::new(AUTOCOMMIT_OFF, 0, 2)]).await;
         assert_eq!(ended, (1, 0), "{payloads:?}");
         assert_eq!(payloads, ["autocommit-off-0", "autocommit-off-1"]);
         let (ended, payloads) = through_a_worker(&[Entry::new(AUTOCOMMIT_OFF_ENDS, 0, 1)]).await;
@@ -319,9 +357,14 @@ mod mysql_not_strict {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_check_stores_nothing() {
-        let (ended, payloads) = through_a_worker(&[Entry::new(NOT_STRICT_ENDS, 0, 2)]).await;
-        assert_eq!(ended, (0, 1), "{payloads:?}");
-        assert!(payloads.is_empty(), "{payloads:?}");
+        let entries = [Entry::new(NOT_STRICT_ENDS, 0, 2)];
+        for (ended, payloads) in [
+            through_a_worker(&entries).await,
+            through_a_batch(&entries).await,
+        ] {
+            assert_eq!(ended, (0, 1), "{payloads:?}");
+            assert!(payloads.is_empty(), "{payloads:?}");
+        }
     }
 }
 ride_with_the_marker!(sqlite, Sqlite, sqlx::Sqlite, false, Inbox::new);

@@ -210,7 +210,8 @@ impl Backend for MySql {
         })
     }
 
-    /// 1048: the payload of a one-row insert was NULL: no marker.
+    /// 1048: a row's payload was NULL (a one-row insert, or a strict multi-row one): no marker,
+    /// or no transaction of the session's own.
     fn is_missing_marker(err: &sqlx::Error) -> bool {
         err.as_database_error()
             .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())

@@ -257,8 +257,10 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .collect();
             let first = (claimed[0], H::CONSUMER, keys[claimed_at[0]]);
             let held = held.take();
+            // The finish below finds every marker or rolls back: it checks them after the rows.
+            let checked = (self.cut.get(), true);
             let written =
-                held::insert_if_marked::<DB>(&mut tx, self.table(), &held, first, self.cut.get());
+                held::insert_if_marked::<DB>(&mut tx, self.table(), &held, first, checked);
             let finished = match written.await {
                 Ok(true) => DB::finish_many(&mut tx, self.table(), &claimed, &hashes).await,
                 Ok(false) => Ok(Default::default()),

@@ -1,5 +1,5 @@
 //! Outbox rows a worker's handler writes, held until the handler returns and then written with
-//! the check of its marker, in one statement: `INSERT INTO outbox .. SELECT .. FROM inbox WHERE
+//! the check of its marker, in one statement (per chunk of rows): `INSERT INTO outbox .. SELECT .. FROM inbox WHERE
 //! id = <the marker's> ..` (on MySQL, one row as `INSERT .. VALUES` whose payload is read from
 //! the marker's row: see `Backend::insert_if_marked_sql`; on PostgreSQL, several rows as
 //! arrays: `Backend::insert_held`). It inserts the rows if and only if
@@ -137,15 +137,19 @@ fn chunk_len(rows: &[HeldRow]) -> usize {
 /// Inserts `rows` on `conn` if the marker `(id, consumer, key)` is there, a statement per
 /// table and per [`CHUNK`] rows or [`CHUNK_BYTES`] bytes, in their order. `Ok(false)`: the marker is not there (the
 /// transaction ended under the handler), and no row was inserted by the statement that found it
-/// so. Each statement is first tried with the server's own check of the transaction,
-/// where it has one (`cut`: what the inbox knows of its server; `Backend::insert_if_open_sql`),
-/// and the marker decides only when that check fails.
+/// so. A statement is first tried with the server's own check of the transaction, where it
+/// has one (`cut`: what the inbox knows of its server; `Backend::insert_if_open_sql`), and the
+/// marker decides only when that check fails. That check cannot tell a BEGIN of the handler's
+/// own, after its transaction ended, from the transaction the store began; so it stands for
+/// one row (as it has since it came in), and for several only where the markers are `rechecked`
+/// after the rows in the same transaction (a batch's finish, which rolls back whatever
+/// transaction the session is in when a marker is gone).
 pub(crate) async fn insert_if_marked<DB: InboxBackend>(
     conn: &mut DB::Connection,
     inbox: &TableName,
     rows: &[HeldRow],
     (id, consumer, key): (i64, &str, &str),
-    cut: Cut,
+    (cut, rechecked): (Cut, bool),
 ) -> Result<bool, sqlx::Error> {
     let mut start = 0;
     while start < rows.len() {
@@ -155,15 +159,27 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
             .iter()
             .map(HeldRow::new_row)
             .collect();
-        if let Some(sql) = DB::insert_if_open_sql(table, cut, same) {
+        let open = match same == 1 || rechecked {
+            true => DB::insert_if_open_sql(table, cut, same),
+            false => None,
+        };
+        if let Some(sql) = open {
             match DB::outbox_insert(conn, sql, &chunk, None).await {
                 Ok(done) if DB::rows_affected(&done) == same as u64 => {
                     start += same;
                     continue;
                 }
-                Err(e) if !DB::is_missing_marker(&e) => return Err(e),
-                // Not in a transaction of its own: the marker decides.
-                _ => {}
+                // Not in a transaction of its own (the statement failed whole): the marker
+                // decides.
+                Err(e) if DB::is_missing_marker(&e) => {}
+                // Some rows and not others: never the marker's statement after it, which
+                // would insert those again; the transaction is rolled back.
+                Ok(done) => {
+                    let n = DB::rows_affected(&done);
+                    let what = format!("{n} of {same} held outbox rows inserted");
+                    return Err(sqlx::Error::Protocol(what));
+                }
+                Err(e) => return Err(e),
             }
         }
         let done = DB::insert_held(conn, (table, inbox), &chunk, (id, consumer, key)).await;

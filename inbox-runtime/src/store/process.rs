@@ -330,8 +330,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             true => None,
             false => {
                 let marked = (marker.id, marker.consumer, key);
-                let insert =
-                    held::insert_if_marked::<DB>(conn, self.table(), &held, marked, self.cut.get());
+                let cut = (self.cut.get(), false);
+                let insert = held::insert_if_marked::<DB>(conn, self.table(), &held, marked, cut);
                 Some(insert.await.map_err(failed)?)
             }
         };
