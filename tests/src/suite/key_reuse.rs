@@ -11,6 +11,16 @@ use inbox_runtime::{Delivery, Outcome, ProcessError};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// How the messages ended: (acked, skipped, terminated, key reuses).
+fn ends(stats: &inbox_runtime::Stats) -> (u64, u64, u64, u64) {
+    (
+        stats.acked,
+        stats.skipped,
+        stats.terminated,
+        stats.key_reuses,
+    )
+}
+
 /// `k` first, `k` again with the same body, `k` with another amount.
 fn three() -> [Vec<u8>; 3] {
     [
@@ -36,16 +46,7 @@ async fn key_reused_with_another_payload_is_counted<B: TestBackend>() {
     let run = Running::start(&worker);
     nats.wait_drained("c").await;
     let stats = run.stop().await;
-    assert_eq!(
-        (
-            stats.acked,
-            stats.skipped,
-            stats.terminated,
-            stats.key_reuses
-        ),
-        (1, 2, 0, 1),
-        "{stats:?}"
-    );
+    assert_eq!(ends(&stats), (1, 2, 0, 1), "{stats:?}");
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 1);
 }
 
@@ -65,16 +66,7 @@ async fn key_reuse_rejected_is_dead_lettered<B: TestBackend>() {
     let run = Running::start(&worker);
     nats.wait_drained("c").await;
     let stats = run.stop().await;
-    assert_eq!(
-        (
-            stats.acked,
-            stats.skipped,
-            stats.terminated,
-            stats.key_reuses
-        ),
-        (1, 1, 1, 1),
-        "{stats:?}"
-    );
+    assert_eq!(ends(&stats), (1, 1, 1, 1), "{stats:?}");
     let letters = nats.dead_letters().await;
     assert_eq!(letters.len(), 1);
     let (payload, headers) = &letters[0];
@@ -176,12 +168,7 @@ async fn key_reuse_within_one_batch<B: TestBackend>() {
         };
         let (skipped, terminated) = if strict { (0, 1) } else { (1, 0) };
         assert_eq!(
-            (
-                stats.acked,
-                stats.skipped,
-                stats.terminated,
-                stats.key_reuses
-            ),
+            ends(&stats),
             (1, skipped, terminated, 1),
             "strict {strict}: {stats:?}"
         );
@@ -221,16 +208,7 @@ async fn key_reused_after_its_batch_committed_is_counted<B: TestBackend>() {
         .await;
     nats.wait_drained("c").await;
     let stats = run.stop().await;
-    assert_eq!(
-        (
-            stats.acked,
-            stats.skipped,
-            stats.terminated,
-            stats.key_reuses
-        ),
-        (3, 2, 0, 1),
-        "{stats:?}"
-    );
+    assert_eq!(ends(&stats), (3, 2, 0, 1), "{stats:?}");
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 3);
 }
 
