@@ -422,13 +422,7 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
         table: &TableName,
         ids: &'a [i64],
     ) -> impl Future<Output = Result<Vec<super::OutboxRow>, sqlx::Error>> + Send + 'a {
-        let list: Vec<String> = ids.iter().map(i64::to_string).collect();
-        let sql = AssertSqlSafe(format!(
-            "SELECT id, msg_id, subject, order_key, headers, payload FROM {table} \
-             WHERE id IN ({}) ORDER BY id",
-            list.join(", ")
-        ));
-        Self::outbox_rows(conn, sql.into_sql_str())
+        Self::outbox_rows(conn, super::outbox_rows_sql(table, ids))
     }
 
     /// `n` rows into `outbox`, each bound as (msg id, subject, order key, headers, payload),

@@ -39,7 +39,8 @@ pub use sqlite::sqlite_options;
     allow(unused_imports)
 )]
 pub(crate) use statements::{
-    Begin, InboxStatements, claims_of, delete_ids_sql, finish_many_sql, stamp_ids_sql,
+    Begin, InboxStatements, claims_of, delete_ids_sql, finish_many_sql, outbox_rows_sql,
+    stamp_ids_sql,
 };
 pub use table::{InvalidTableName, TableName};
 pub use transient::is_transient;

@@ -8,6 +8,7 @@ mod partitioned;
 
 use super::{Backend, Claimed, GenericOutbox, KeyId, NewOutboxRow, OutboxRow};
 use crate::layout::{Layout, Partitions};
+use futures::future::Either;
 use partitioned::{claim_many_partitioned, partitioned_cleanup, partitioned_migrations};
 use sqlx::{AssertSqlSafe, Postgres, SqlSafeStr, SqlStr, Transaction};
 use std::future::Future;
@@ -271,34 +272,24 @@ impl Backend for Postgres {
         conn: &'a mut sqlx::PgConnection,
         (outbox, inbox): (&TableName, &TableName),
         rows: &'a [NewOutboxRow<'a>],
-        (id, consumer, key): (i64, &'a str, &'a str),
+        marker: (i64, &'a str, &'a str),
     ) -> impl Future<Output = Result<sqlx::postgres::PgQueryResult, sqlx::Error>> + Send + 'a {
         // One row: the default's statement, as a message's.
-        let sql = match rows.len() {
-            0 | 1 => Err(Self::insert_if_marked_sql(outbox, inbox, rows.len())),
-            _ => Ok(arrays::insert_held(outbox, inbox)),
-        };
-        async move {
-            let many = match sql {
-                Ok(many) => many,
-                Err(one) => {
-                    return Self::outbox_insert(conn, one, rows, Some((id, consumer, key))).await;
-                }
-            };
-            let column =
-                |f: fn(&NewOutboxRow<'a>) -> &'a str| rows.iter().map(f).collect::<Vec<_>>();
-            sqlx::query(many)
-                .bind(column(|r| r.msg_id))
-                .bind(column(|r| r.subject))
-                .bind(column(|r| r.order_key))
-                .bind(column(|r| r.headers))
-                .bind(rows.iter().map(|r| r.payload).collect::<Vec<&[u8]>>())
-                .bind(id)
-                .bind(consumer)
-                .bind(key)
-                .execute(conn)
-                .await
+        if rows.len() < 2 {
+            let one = Self::insert_if_marked_sql(outbox, inbox, rows.len());
+            return Either::Left(Self::outbox_insert(conn, one, rows, Some(marker)));
         }
+        let column = |f: fn(&NewOutboxRow<'a>) -> &'a str| rows.iter().map(f).collect::<Vec<_>>();
+        let many = sqlx::query(arrays::insert_held(outbox, inbox))
+            .bind(column(|r| r.msg_id))
+            .bind(column(|r| r.subject))
+            .bind(column(|r| r.order_key))
+            .bind(column(|r| r.headers))
+            .bind(rows.iter().map(|r| r.payload).collect::<Vec<&[u8]>>())
+            .bind(marker.0)
+            .bind(marker.1)
+            .bind(marker.2);
+        Either::Right(many.execute(conn))
     }
 
     fn finish_many<'a>(
@@ -308,9 +299,10 @@ impl Backend for Postgres {
         hashes: &'a [Option<&'a str>],
     ) -> impl Future<Output = Result<sqlx::postgres::PgQueryResult, sqlx::Error>> + Send + 'a {
         let sql = arrays::finish_many(table);
-        // As the default writes them: hex digits only.
-        let hashes: Vec<Option<&str>> = (hashes.iter())
-            .map(|h| h.filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit())))
+        // As the default writes them.
+        let hashes: Vec<Option<&str>> = hashes
+            .iter()
+            .map(|&h| super::statements::hex_only(h))
             .collect();
         async move { sqlx::query(sql).bind(ids).bind(hashes).execute(conn).await }
     }

@@ -264,6 +264,18 @@ pub(crate) fn claims_of(keys: &[&str], rows: Vec<KeyId>) -> Vec<Claimed> {
         .collect()
 }
 
+/// `ids`, the database's own integers, as a list to write into a statement's text.
+fn id_list(ids: &[i64]) -> String {
+    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
+    ids.join(", ")
+}
+
+/// A payload hash as the batch's finish writes it: hex digits only (a statement's text takes
+/// it as a literal), else none.
+pub(crate) fn hex_only(hash: Option<&str>) -> Option<&str> {
+    hash.filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 /// Sets `processed_at` on the markers `ids` of `table` (a batch's markers, in its transaction),
 /// with each one's payload hash where `hashes` has one. The ids are the database's own integers
 /// and the hashes hex digits, written into the statement (it runs unprepared, since its text
@@ -276,20 +288,16 @@ pub(crate) fn finish_many_sql<DB: InboxBackend>(
     let whens: String = ids
         .iter()
         .zip(hashes)
-        .filter_map(|(id, hash)| {
-            let hash = hash.filter(|h| h.bytes().all(|b| b.is_ascii_hexdigit()))?;
-            Some(format!(" WHEN {id} THEN '{hash}'"))
-        })
+        .filter_map(|(id, &hash)| Some(format!(" WHEN {id} THEN '{}'", hex_only(hash)?)))
         .collect();
     if whens.is_empty() {
         return stamp_ids_sql::<DB>(table, "processed_at", ids);
     }
-    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
     sql(format!(
         "UPDATE {table} SET processed_at = {}, payload_hash = CASE id{whens} ELSE payload_hash END \
          WHERE id IN ({})",
         DB::NOW_SQL,
-        ids.join(", ")
+        id_list(ids)
     ))
 }
 
@@ -301,21 +309,29 @@ pub(crate) fn stamp_ids_sql<DB: InboxBackend>(
     column: &str,
     ids: &[i64],
 ) -> SqlStr {
-    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
     sql(format!(
         "UPDATE {table} SET {column} = {} WHERE id IN ({})",
         DB::NOW_SQL,
-        ids.join(", ")
+        id_list(ids)
     ))
 }
 
 /// Deletes the rows `ids` of `table` (a batch's markers of messages it left out), the ids
 /// written into the statement as in [`stamp_ids_sql`].
 pub(crate) fn delete_ids_sql(table: &TableName, ids: &[i64]) -> SqlStr {
-    let ids: Vec<String> = ids.iter().map(i64::to_string).collect();
     sql(format!(
         "DELETE FROM {table} WHERE id IN ({})",
-        ids.join(", ")
+        id_list(ids)
+    ))
+}
+
+/// The outbox rows `ids` of `table` (which a relay's pass has locked), in id order, the ids
+/// written into the statement as in [`stamp_ids_sql`].
+pub(crate) fn outbox_rows_sql(table: &TableName, ids: &[i64]) -> SqlStr {
+    sql(format!(
+        "SELECT id, msg_id, subject, order_key, headers, payload FROM {table} \
+         WHERE id IN ({}) ORDER BY id",
+        id_list(ids)
     ))
 }
 

@@ -258,9 +258,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             let first = (claimed[0], H::CONSUMER, keys[claimed_at[0]]);
             let held = held.take();
             // The finish below finds every marker or rolls back: it checks them after the rows.
-            let checked = (self.cut.get(), true);
-            let written =
-                held::insert_if_marked::<DB>(&mut tx, self.table(), &held, first, checked);
+            let (table, cut) = (self.table(), self.cut.get());
+            let written = held::insert_if_marked::<DB>(&mut tx, table, &held, first, cut, true);
             let finished = match written.await {
                 Ok(true) => DB::finish_many(&mut tx, self.table(), &claimed, &hashes).await,
                 Ok(false) => Ok(Default::default()),

@@ -1,9 +1,9 @@
 //! Outbox rows a worker's handler writes, held until the handler returns and then written with
-//! the check of its marker, in one statement (per chunk of rows): `INSERT INTO outbox .. SELECT .. FROM inbox WHERE
-//! id = <the marker's> ..` (on MySQL, one row as `INSERT .. VALUES` whose payload is read from
-//! the marker's row: see `Backend::insert_if_marked_sql`; on PostgreSQL, several rows as
-//! arrays: `Backend::insert_held`). It inserts the rows if and only if
-//! the marker is still there in the transaction, so that it both writes them and checks the
+//! the check of its marker, in one statement per chunk of rows: `INSERT INTO outbox .. SELECT
+//! .. FROM inbox WHERE id = <the marker's> ..` (on MySQL, one row as `INSERT .. VALUES` whose
+//! payload is read from the marker's row: see `Backend::insert_if_marked_sql`; on PostgreSQL,
+//! several rows as arrays: `Backend::insert_held`). It inserts the rows if and only if the
+//! marker is still there in the transaction, so that it both writes them and checks the
 //! transaction in the round trip the marker's own lookup took (see `store/process.rs`). Where
 //! the server can tell from the session alone that the transaction it began is still open
 //! (MariaDB, `Backend::insert_if_open_sql`), the rows are first written with that check,
@@ -149,7 +149,8 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
     inbox: &TableName,
     rows: &[HeldRow],
     (id, consumer, key): (i64, &str, &str),
-    (cut, rechecked): (Cut, bool),
+    cut: Cut,
+    rechecked: bool,
 ) -> Result<bool, sqlx::Error> {
     let mut start = 0;
     while start < rows.len() {
@@ -260,7 +261,7 @@ mod tests {
 
     #[cfg(feature = "postgres")]
     #[test]
-    fn rows_go_in_their_order_where_the_marker_is() {
+    fn one_row_goes_where_the_marker_is() {
         use crate::backend::Backend;
         type Pg = sqlx::Postgres;
         let (o, i) = (
@@ -273,16 +274,28 @@ mod tests {
             "INSERT INTO outbox (msg_id, subject, order_key, headers, payload) SELECT $1, $2, $3, \
              $4, $5 FROM inbox WHERE id = $6 AND consumer = $7 AND message_key = $8"
         );
-        let two = Pg::insert_if_marked_sql(&o, &i, 2);
+    }
+
+    /// Several rows by default (SQLite; MySQL's fallback): an arm per row. PostgreSQL binds
+    /// them as arrays instead (`Backend::insert_held`).
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn several_rows_go_in_their_order_where_the_marker_is() {
+        use crate::backend::Backend;
+        let (o, i) = (
+            TableName::new("outbox").unwrap(),
+            TableName::new("inbox").unwrap(),
+        );
+        let two = sqlx::Sqlite::insert_if_marked_sql(&o, &i, 2);
         assert!(
             two.as_str()
-                .ends_with("message_key = $16) AS held ORDER BY n"),
+                .ends_with("message_key = ?16) AS held ORDER BY n"),
             "{}",
             two.as_str()
         );
         assert!(
             two.as_str()
-                .contains("UNION ALL SELECT 1 AS n, $9 AS msg_id")
+                .contains("UNION ALL SELECT 1 AS n, ?9 AS msg_id")
         );
     }
 }

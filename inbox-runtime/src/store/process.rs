@@ -330,8 +330,11 @@ impl<DB: InboxBackend> Inbox<DB> {
             true => None,
             false => {
                 let marked = (marker.id, marker.consumer, key);
-                let cut = (self.cut.get(), false);
-                let insert = held::insert_if_marked::<DB>(conn, self.table(), &held, marked, cut);
+                // Nothing checks the marker after the rows: they go by it (or, one row, by
+                // the server's check of the transaction).
+                let cut = self.cut.get();
+                let insert =
+                    held::insert_if_marked::<DB>(conn, self.table(), &held, marked, cut, false);
                 Some(insert.await.map_err(failed)?)
             }
         };
