@@ -232,10 +232,10 @@ macro_rules! ride_with_the_marker {
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn through_a_worker_a_row_after_the_transaction_ended_is_not_committed() {
-                // Alone: under `cargo xtask test --batched`, a batch whose transaction ended
-                // dead-letters every message in it.
-                // One row, and two; alone and in a batch (there, on MariaDB, one multi-row
-                // statement with the server's check).
+                // One message per run (a batch whose transaction ended dead-letters every
+                // message in it, also under `cargo xtask test --batched`): one row and two,
+                // alone and in a batch (there, on MariaDB, one multi-row statement with the
+                // server's check).
                 for rows in [1, 2] {
                     for batched in [false, true] {
                         let entries = [Entry::new(ENDS, 0, rows)];
