@@ -238,15 +238,16 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
     /// Claims every key of a batch (in the order given) in `tx`: per key, what
     /// [`Backend::claim`] would answer, a later copy of a key the batch claimed being a
     /// duplicate. By default a claim statement per key; a dialect that can tell new rows from
-    /// duplicates in one statement overrides it.
+    /// duplicates in one statement overrides it (MySQL's only on a server `cut` says is
+    /// MariaDB's).
     fn claim_many<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
-        (table, layout): (&'a TableName, &'a Layout),
+        (table, layout, cut): (&'a TableName, &'a Layout, Cut),
         claim: SqlStr,
         consumer: &'a str,
         keys: &'a [&'a str],
     ) -> impl Future<Output = Result<Vec<Claimed>, sqlx::Error>> + Send + 'a {
-        let _ = (table, layout);
+        let _ = (table, layout, cut);
         async move {
             let mut claims = Vec::with_capacity(keys.len());
             for key in keys {

@@ -19,6 +19,9 @@ use session::{RESET_STATEMENT_TIME, begin_again};
 
 mod outbox;
 
+mod claims;
+use claims::claimed;
+
 impl Backend for MySql {
     const NAME: &'static str = "MySQL";
     const NOW_SQL: &'static str = "CURRENT_TIMESTAMP(6)";
@@ -382,6 +385,16 @@ impl Backend for MySql {
         claimed(&done)
     }
 
+    async fn claim_many<'a, 'c>(
+        tx: &'a mut Transaction<'c, Self>,
+        (table, _layout, cut): (&'a TableName, &'a Layout, Cut),
+        claim: SqlStr,
+        consumer: &'a str,
+        keys: &'a [&'a str],
+    ) -> Result<Vec<Claimed>, sqlx::Error> {
+        claims::claim_many(tx, (table, cut), claim, consumer, keys).await
+    }
+
     fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // SQLSTATE class 22, data exception: invalid byte sequence or NUL in text (22021),
         // numeric value out of range (22003), string too long (22001), division by zero (22012).
@@ -449,20 +462,6 @@ impl Backend for MySql {
             .execute(conn)
             .await
             .map(|_| ())
-    }
-}
-
-/// What a claim's `INSERT .. ON DUPLICATE KEY UPDATE` answered: one row affected for a new
-/// marker, two for a duplicate (whose `dup_count` it raised).
-fn claimed(done: &sqlx::mysql::MySqlQueryResult) -> Result<Claimed, sqlx::Error> {
-    match done.rows_affected() {
-        // A new row always has an AUTO_INCREMENT id; 0 would mark the wrong row processed.
-        1 if done.last_insert_id() > 0 => Ok(Claimed::New(done.last_insert_id() as i64)),
-        2 => Ok(Claimed::Duplicate),
-        n => Err(sqlx::Error::Protocol(format!(
-            "the inbox claim affected {n} rows (insert id {}); expected 1 (new) or 2 (duplicate)",
-            done.last_insert_id()
-        ))),
     }
 }
 

@@ -1,8 +1,8 @@
 //! Batched commits: several messages in one transaction, one COMMIT (one fsync) for all.
 //!
 //! A batch is first tried lean: BEGIN, the claims of all its keys (in key order; one statement
-//! on PostgreSQL and SQLite, which tell new rows from duplicates by what `RETURNING` returns, a
-//! statement per key on MySQL), each new message's handler, then one UPDATE setting
+//! on PostgreSQL, SQLite and MariaDB, which tell new rows from duplicates by what `RETURNING`
+//! returns, a statement per key on MySQL), each new message's handler, then one UPDATE setting
 //! `processed_at` on every marker it claimed, COMMIT. If any
 //! message fails there, the whole transaction is rolled back and the batch is tried again with a
 //! SAVEPOINT per message (`process_in` inside a nested transaction): a failing message is rolled
@@ -181,7 +181,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         let mut claimed_at = Vec::with_capacity(keys.len());
         let claims = DB::claim_many(
             &mut tx,
-            (self.table(), &self.layout()),
+            (self.table(), &self.layout(), self.cut.get()),
             self.sql.claim.clone(),
             H::CONSUMER,
             keys,
@@ -358,7 +358,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             .collect();
         let claims = DB::claim_many(
             &mut tx,
-            (self.table(), &self.layout()),
+            (self.table(), &self.layout(), self.cut.get()),
             self.sql.claim.clone(),
             H::CONSUMER,
             &claimed_keys,

@@ -36,6 +36,42 @@ async fn duplicates_inside_one_batch_are_skipped<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 3);
 }
 
+/// One batch of keys committed before and new ones, interleaved (a claim statement for the
+/// whole batch must tell which of its rows are new): only the new run, the others are Skips.
+async fn a_batch_of_new_and_committed_keys_runs_only_the_new<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    nats.publish_all(["k1", "k3"].map(|k| Entry::new(k, 1, 1).json()))
+        .await;
+    let first = nats
+        .worker(inbox.clone(), consumer)
+        .concurrency(1)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&first);
+    nats.wait_drained("c").await;
+    run.stop().await;
+    let keys = ["k0", "k1", "k2", "k3", "k4"];
+    nats.publish_all(keys.iter().map(|k| Entry::new(*k, 1, 1).json()))
+        .await;
+    let second = nats
+        .worker(inbox, nats.consumer("c", Duration::from_secs(30)).await)
+        .concurrency(1)
+        .batch(16, FILL)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&second);
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!((stats.acked, stats.skipped), (3, 2), "{stats:?}");
+    assert_eq!(second.state().runs(), 3, "the handler ran for a duplicate");
+    let new = "SELECT count(*) FROM ledger WHERE msg_key IN ('k0', 'k2', 'k4')";
+    assert_eq!(B::count(&db, new).await, 3, "a new key was not applied");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 5);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 5);
+}
+
 /// A message that fails inside a batch (a CHECK violation) is rolled back to its savepoint and
 /// dead-lettered alone; the others of its batch commit.
 async fn a_failure_mid_batch_is_handled_alone<B: TestBackend>() {
@@ -267,6 +303,7 @@ super::behaviours!(
     a_batch_collects_while_every_connection_is_taken,
     a_batch_waiting_for_more_spends_no_delivery,
     duplicates_inside_one_batch_are_skipped,
+    a_batch_of_new_and_committed_keys_runs_only_the_new,
     a_failure_mid_batch_is_handled_alone,
     a_crash_after_commit_before_the_acks_skips_the_redeliveries,
 );
