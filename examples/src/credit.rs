@@ -357,6 +357,19 @@ impl Config {
             durable: &self.durable,
             ack_wait: Duration::from_secs(30),
             max_deliver: 10,
+            max_ack_pending: self.max_ack_pending(),
+        }
+    }
+
+    /// The durable consumer's `max_ack_pending` when `credit` creates it: JetStream's default
+    /// (1,000) unbatched; batched, room for four processes' full batches (4 × concurrency ×
+    /// `CREDIT_BATCH`) if that is more. The server shares it among the processes on the
+    /// consumer, and a process left less than its batches could hold commits smaller ones,
+    /// which cost more per message.
+    pub fn max_ack_pending(&self) -> i64 {
+        match self.batch {
+            0 | 1 => 0,
+            batch => (4 * i64::from(self.concurrency) * batch as i64).max(1000),
         }
     }
 }
@@ -553,6 +566,11 @@ mod config_tests {
         assert_eq!(c.last_delivery_hold, Duration::from_millis(2500));
         let c = config(&[("CREDIT_BATCH", "64"), ("CREDIT_ACK", "double")]).unwrap();
         assert_eq!((c.batch, c.ack_mode), (64, Some(AckMode::Double)));
+        // Room for four processes' full batches; JetStream's default unbatched or below it.
+        assert_eq!(c.max_ack_pending(), 4 * 8 * 64);
+        assert_eq!(config(&[]).unwrap().max_ack_pending(), 0);
+        let small = config(&[("CREDIT_BATCH", "4"), ("CREDIT_CONCURRENCY", "2")]).unwrap();
+        assert_eq!(small.max_ack_pending(), 1000);
         for (name, value) in [
             ("CREDIT_CONCURRENCY", "eight"),
             ("CREDIT_CONCURRENCY", "0"),

@@ -241,6 +241,7 @@ pub async fn run(config: &EmailConfig, shutdown: CancellationToken) -> Result<St
         durable: &config.durable,
         ack_wait: config.ack_wait(),
         max_deliver: 10,
+        max_ack_pending: 0,
     };
     let Some((jetstream, _, stream)) =
         until_up("NATS", &shutdown, || jetstream_consumer(&spec)).await?

@@ -142,6 +142,8 @@ pub(crate) struct ConsumerSpec<'a> {
     pub durable: &'a str,
     pub ack_wait: Duration,
     pub max_deliver: i64,
+    /// 0: JetStream's default (1,000).
+    pub max_ack_pending: i64,
 }
 
 /// `e`, from getting or creating stream `name`, as a start-up error.
@@ -182,6 +184,7 @@ pub(crate) async fn jetstream_consumer(
                 ack_wait: config.ack_wait,
                 // Finite, so that a message that keeps failing ends up dead-lettered.
                 max_deliver: config.max_deliver,
+                max_ack_pending: config.max_ack_pending,
                 filter_subject: config.subject.to_owned(),
                 ..Default::default()
             },

@@ -13,7 +13,8 @@ use tokio_util::sync::CancellationToken;
 /// on `subject` (empty: every subject of the stream): explicit acks, at most 10 deliveries (then
 /// the message is dead-lettered), `ack_wait` 30 s (progress acks keep a slow handler's message),
 /// no server-side backoff (the worker's own nak delays, 1 s doubling to 30 s, apply), and at most
-/// 1,000 messages awaiting an ack.
+/// 1,000 messages awaiting an ack (batched workers in several processes want room for all their
+/// batches: see [`WorkerBuilder::batch`](crate::WorkerBuilder::batch)).
 ///
 /// Its [retention floor](crate::retention_floor) is `ack_wait × max_deliver` (300 s) plus the
 /// stream's duplicate window, plus a margin: the figure to keep markers above when cleanup runs,

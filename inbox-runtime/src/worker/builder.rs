@@ -136,6 +136,12 @@ impl<DB: InboxBackend> WorkerBuilder<DB> {
     /// `max_messages` (and the consumer's `max_ack_pending`). Handlers must not commit or roll
     /// back the transaction they are given, as always.
     ///
+    /// **Several processes.** The server shares the consumer's `max_ack_pending` among all the
+    /// processes pulling from it: give it room for all their batches (processes × concurrency
+    /// × `max_messages`), or each process's batches stay smaller than the backlog would allow
+    /// (with [`recommended_consumer`](crate::recommended_consumer)'s 1,000, three processes of
+    /// 8 connections get about 40 messages per connection), and cost more per message.
+    ///
     /// **Hot rows.** Batches that update the same rows (a popular account) in different orders
     /// deadlock. Name what the handler locks, `#[idempotent(.., lane = msg.account)]`: each
     /// lane is then kept in one of the worker's batch slots (one per connection, taking turns),

@@ -304,7 +304,7 @@ pub async fn consumer_run(
             })
             .await
             .map_err(|e| format!("create stream: {e}"))?;
-        // The configuration `credit` creates.
+        // The configuration `credit` creates, with the same environment.
         stream
             .create_consumer(pull::Config {
                 durable_name: Some(durable.into()),
@@ -312,6 +312,7 @@ pub async fn consumer_run(
                 ack_wait: Duration::from_secs(30),
                 max_deliver: 10,
                 filter_subject: subject.clone(),
+                max_ack_pending: max_ack_pending(options, contender),
                 ..Default::default()
             })
             .await
@@ -508,6 +509,17 @@ fn spawn_contender(
     command
         .spawn()
         .map_err(|e| format!("{}: {e}", binary.display()))
+}
+
+/// The consumer's `max_ack_pending`, as `credit` would create it (`Config::max_ack_pending` in
+/// the examples): JetStream's default, or, batched, room for four processes' full batches.
+fn max_ack_pending(options: &Options, contender: Contender) -> i64 {
+    match contender {
+        Contender::InboxBatched if options.batch > 1 => {
+            (4 * options.concurrency as i64 * options.batch as i64).max(1000)
+        }
+        _ => 0,
+    }
 }
 
 /// Stops a contender: `credit` drains on SIGTERM, the baseline when its stdin closes. Returns
