@@ -3,6 +3,7 @@
 
 use super::super::{Backend, Claimed, Cut, TableName};
 use sqlx::{AssertSqlSafe, MySql, Row, SqlStr, Transaction};
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 /// The keys of one statement of a batch's claims, at most: 100 rows, as the batch's outbox
 /// rows go.
@@ -22,8 +23,12 @@ pub(super) fn claimed(done: &sqlx::mysql::MySqlQueryResult) -> Result<Claimed, s
     }
 }
 
-/// The claims of a batch's `keys`, in order: in one statement on MariaDB (which `cut` tells),
-/// else with `claim`, a marker's statement, per key.
+/// Set once a MariaDB server refused `RETURNING` (before 10.5): from then on the process's
+/// batches claim a key at a time, on every server (correct everywhere, slower on a newer one).
+static NO_RETURNING: AtomicBool = AtomicBool::new(false);
+
+/// The claims of a batch's `keys`, in order: in one statement on MariaDB (which `cut` tells)
+/// from 10.5, else with `claim`, a marker's statement, per key.
 pub(super) async fn claim_many(
     tx: &mut Transaction<'_, MySql>,
     (table, cut): (&TableName, Cut),
@@ -31,8 +36,17 @@ pub(super) async fn claim_many(
     consumer: &str,
     keys: &[&str],
 ) -> Result<Vec<Claimed>, sqlx::Error> {
-    if cut == Cut::Bounded && keys.len() > 1 {
-        return claim_many_mariadb(tx, table, consumer, keys).await;
+    if cut == Cut::Bounded && keys.len() > 1 && !NO_RETURNING.load(Relaxed) {
+        match claim_many_mariadb(tx, table, consumer, keys).await? {
+            Some(claims) => return Ok(claims),
+            None => {
+                NO_RETURNING.store(true, Relaxed);
+                tracing::warn!(
+                    "this MariaDB server refused INSERT .. RETURNING (before 10.5): batches \
+                     claim their keys one statement each"
+                );
+            }
+        }
     }
     let mut claims = Vec::with_capacity(keys.len());
     for key in keys {
@@ -47,15 +61,19 @@ pub(super) async fn claim_many(
 /// earlier row's of the same statement) was just raised to 1 or more. As a marker's own claim,
 /// a row another transaction holds makes the statement wait for that one.
 ///
-/// The values are hex literals in the statement's text (the consumer's as UTF-8), sent unprepared: each count of rows
-/// would be a statement of its own, for sqlx to prepare and keep in its cache of 100 per
-/// connection, and a hex literal needs no escaping whatever the session's `sql_mode`.
+/// The values are hex literals in the statement's text (the consumer's as UTF-8), sent
+/// unprepared: each count of rows would be a statement of its own, for sqlx to prepare and
+/// keep in its cache of 100 per connection, and a hex literal needs no escaping whatever the
+/// session's `sql_mode`.
+///
+/// `None`: the server refused the first statement's syntax (MariaDB before 10.5 has no
+/// `RETURNING`); it changed nothing, and the transaction goes on.
 async fn claim_many_mariadb(
     tx: &mut Transaction<'_, MySql>,
     table: &TableName,
     consumer: &str,
     keys: &[&str],
-) -> Result<Vec<Claimed>, sqlx::Error> {
+) -> Result<Option<Vec<Claimed>>, sqlx::Error> {
     let consumer = hex::encode(consumer);
     let mut claims = Vec::with_capacity(keys.len());
     for chunk in keys.chunks(CHUNK) {
@@ -69,7 +87,10 @@ async fn claim_many_mariadb(
              RETURNING id, message_key, dup_count",
             rows.join(", ")
         ));
-        let returned = sqlx::raw_sql(sql).fetch_all(&mut **tx).await?;
+        let returned = match sqlx::raw_sql(sql).fetch_all(&mut **tx).await {
+            Err(e) if claims.is_empty() && is_syntax_error(&e) => return Ok(None),
+            returned => returned?,
+        };
         if returned.len() != chunk.len() {
             return Err(unexpected(format!(
                 "{} rows for {} keys",
@@ -91,7 +112,14 @@ async fn claim_many_mariadb(
             });
         }
     }
-    Ok(claims)
+    Ok(Some(claims))
+}
+
+/// 1064: a statement the server cannot parse.
+fn is_syntax_error(err: &sqlx::Error) -> bool {
+    err.as_database_error()
+        .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|e| e.number() == 1064)
 }
 
 /// A batch's claim statement returned what it cannot have: the batch is not trusted with it.
