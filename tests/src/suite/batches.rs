@@ -72,6 +72,37 @@ async fn a_batch_of_new_and_committed_keys_runs_only_the_new<B: TestBackend>() {
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 5);
 }
 
+/// A batch of more keys than one claim statement takes (MariaDB: 100), a key's two copies on
+/// either side of that boundary: the second copy is a Skip. The markers' `received_at` tells
+/// the claims' statements apart (the transaction's time on PostgreSQL, the statement's on
+/// MySQL and SQLite): at most two, so the batch was claimed in its chunks, not key by key nor
+/// message by message alone.
+async fn a_batch_of_more_keys_than_one_claim_statement_takes<B: TestBackend>() {
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    // Sorted, k099's copies are the batch's 100th and 101st keys.
+    let keys = (0..120)
+        .map(|i| format!("k{i:03}"))
+        .chain(["k099".to_owned()]);
+    nats.publish_all(keys.map(|k| Entry::new(k, 1, 1).json()))
+        .await;
+    let worker = nats
+        .worker(inbox, consumer)
+        .concurrency(1)
+        .batch(256, FILL)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.wait_drained("c").await;
+    let stats = run.stop().await;
+    assert_eq!((stats.acked, stats.skipped), (120, 1), "{stats:?}");
+    assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 120);
+    assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 120);
+    let claims = "SELECT count(DISTINCT received_at) FROM inbox";
+    assert!(B::count(&db, claims).await <= 2, "claimed key by key");
+}
+
 /// A message that fails inside a batch (a CHECK violation) is rolled back to its savepoint and
 /// dead-lettered alone; the others of its batch commit.
 async fn a_failure_mid_batch_is_handled_alone<B: TestBackend>() {
@@ -304,6 +335,7 @@ super::behaviours!(
     a_batch_waiting_for_more_spends_no_delivery,
     duplicates_inside_one_batch_are_skipped,
     a_batch_of_new_and_committed_keys_runs_only_the_new,
+    a_batch_of_more_keys_than_one_claim_statement_takes,
     a_failure_mid_batch_is_handled_alone,
     a_crash_after_commit_before_the_acks_skips_the_redeliveries,
 );
