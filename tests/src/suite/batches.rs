@@ -5,33 +5,44 @@ use super::setup;
 use crate::backends::TestBackend;
 use crate::handlers::{Entry, Probe};
 use crate::{NatsStream, OnConnection, Running};
-use inbox_runtime::Handler;
+use inbox_runtime::{Handler, Inbox, Stats};
 use inbox_testkit::wait_until;
 use std::time::Duration;
 
 /// Long enough that everything published before the worker starts lands in one batch.
 const FILL: Duration = Duration::from_millis(500);
 
+/// Publishes `keys`' entries, then runs a worker of the ledger's handler on them, batched (up to
+/// `max` messages a batch, one at a time), until the consumer is drained: its stats, and how
+/// many times the handler ran.
+async fn drained_in_batches<B: TestBackend>(
+    nats: &NatsStream,
+    inbox: Inbox<B::Db>,
+    keys: impl IntoIterator<Item = String>,
+    max: usize,
+) -> (Stats, usize) {
+    nats.publish_all(keys.into_iter().map(|k| Entry::new(k, 1, 1).json()))
+        .await;
+    let worker = nats
+        .worker(inbox, nats.consumer("c", Duration::from_secs(30)).await)
+        .concurrency(1)
+        .batch(max, FILL)
+        .build_with_state(B::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    nats.wait_drained("c").await;
+    (run.stop().await, worker.state().runs())
+}
+
 /// Two copies of a key in one batch: the second claim sees the first's marker in the same
 /// transaction and is a Skip; the effect is applied once.
 async fn duplicates_inside_one_batch_are_skipped<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
-    let keys = ["k1", "k2", "k1", "k3", "k2", "k1"];
-    nats.publish_all(keys.iter().map(|k| Entry::new(*k, 1, 1).json()))
-        .await;
-    let worker = nats
-        .worker(inbox, consumer)
-        .concurrency(1)
-        .batch(16, FILL)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let run = Running::start(&worker);
-    nats.wait_drained("c").await;
-    let stats = run.stop().await;
+    let keys = ["k1", "k2", "k1", "k3", "k2", "k1"].map(String::from);
+    let (stats, runs) = drained_in_batches::<B>(&nats, inbox, keys, 16).await;
     assert_eq!((stats.acked, stats.skipped), (3, 3), "{stats:?}");
-    assert_eq!(worker.state().runs(), 3, "the handler ran for a duplicate");
+    assert_eq!(runs, 3, "the handler ran for a duplicate");
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 3);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 3);
 }
@@ -52,20 +63,10 @@ async fn a_batch_of_new_and_committed_keys_runs_only_the_new<B: TestBackend>() {
     let run = Running::start(&first);
     nats.wait_drained("c").await;
     run.stop().await;
-    let keys = ["k0", "k1", "k2", "k3", "k4"];
-    nats.publish_all(keys.iter().map(|k| Entry::new(*k, 1, 1).json()))
-        .await;
-    let second = nats
-        .worker(inbox, nats.consumer("c", Duration::from_secs(30)).await)
-        .concurrency(1)
-        .batch(16, FILL)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let run = Running::start(&second);
-    nats.wait_drained("c").await;
-    let stats = run.stop().await;
+    let keys = ["k0", "k1", "k2", "k3", "k4"].map(String::from);
+    let (stats, runs) = drained_in_batches::<B>(&nats, inbox, keys, 16).await;
     assert_eq!((stats.acked, stats.skipped), (3, 2), "{stats:?}");
-    assert_eq!(second.state().runs(), 3, "the handler ran for a duplicate");
+    assert_eq!(runs, 3, "the handler ran for a duplicate");
     let new = "SELECT count(*) FROM ledger WHERE msg_key IN ('k0', 'k2', 'k4')";
     assert_eq!(B::count(&db, new).await, 3, "a new key was not applied");
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 5);
@@ -80,23 +81,13 @@ async fn a_batch_of_new_and_committed_keys_runs_only_the_new<B: TestBackend>() {
 async fn a_batch_of_more_keys_than_one_claim_statement_takes<B: TestBackend>() {
     let (db, inbox) = setup::<B>(2).await;
     let nats = NatsStream::create().await;
-    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
     // Sorted, k099's copies are the batch's 100th and 101st keys.
     let keys = (0..120)
         .map(|i| format!("k{i:03}"))
         .chain(["k099".to_owned()]);
-    nats.publish_all(keys.map(|k| Entry::new(k, 1, 1).json()))
-        .await;
-    let worker = nats
-        .worker(inbox, consumer)
-        .concurrency(1)
-        .batch(256, FILL)
-        .build_with_state(B::Ledger::default(), Probe::open())
-        .unwrap();
-    let run = Running::start(&worker);
-    nats.wait_drained("c").await;
-    let stats = run.stop().await;
+    let (stats, runs) = drained_in_batches::<B>(&nats, inbox, keys, 256).await;
     assert_eq!((stats.acked, stats.skipped), (120, 1), "{stats:?}");
+    assert_eq!(runs, 120);
     assert_eq!(B::count(&db, "SELECT count(*) FROM ledger").await, 120);
     assert_eq!(B::count(&db, "SELECT count(*) FROM inbox").await, 120);
     let claims = "SELECT count(DISTINCT received_at) FROM inbox";
