@@ -248,13 +248,7 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
         keys: &'a [&'a str],
     ) -> impl Future<Output = Result<Vec<Claimed>, sqlx::Error>> + Send + 'a {
         let _ = (table, layout, cut);
-        async move {
-            let mut claims = Vec::with_capacity(keys.len());
-            for key in keys {
-                claims.push(Self::claim(tx, claim.clone(), consumer, key).await?);
-            }
-            Ok(claims)
-        }
+        claim_each(tx, claim, consumer, keys)
     }
 
     /// Takes the fleet-wide lock `name` (a session lock: cleanups, migrations) on `conn`,
@@ -443,6 +437,22 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
     fn is_missing_marker(_err: &sqlx::Error) -> bool {
         false
     }
+}
+
+/// The claims of a batch's `keys` in `tx`, in their order, with `claim` ([`Backend::claim`]'s
+/// statement) per key: [`Backend::claim_many`]'s default, and MySQL's where the server cannot
+/// claim them in one statement.
+pub(crate) async fn claim_each<DB: Backend>(
+    tx: &mut Transaction<'_, DB>,
+    claim: SqlStr,
+    consumer: &str,
+    keys: &[&str],
+) -> Result<Vec<Claimed>, sqlx::Error> {
+    let mut claims = Vec::with_capacity(keys.len());
+    for key in keys {
+        claims.push(DB::claim(tx, claim.clone(), consumer, key).await?);
+    }
+    Ok(claims)
 }
 
 /// [`Backend::insert_if_marked_sql`] as one `INSERT .. SELECT` (an arm per row, each reading

@@ -1,7 +1,8 @@
 //! MySQL's claims: a marker's `INSERT .. ON DUPLICATE KEY UPDATE`, and on MariaDB a batch's
 //! markers in one such statement, whose `RETURNING` tells the new ones.
 
-use super::super::{Backend, Claimed, Cut, TableName};
+use super::super::dialect::claim_each;
+use super::super::{Claimed, Cut, TableName};
 use sqlx::{AssertSqlSafe, MySql, Row, SqlStr, Transaction};
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
@@ -48,11 +49,7 @@ pub(super) async fn claim_many(
             }
         }
     }
-    let mut claims = Vec::with_capacity(keys.len());
-    for key in keys {
-        claims.push(MySql::claim(tx, claim.clone(), consumer, key).await?);
-    }
-    Ok(claims)
+    claim_each(tx, claim, consumer, keys).await
 }
 
 /// The claims of a batch's `keys` (in order) on MariaDB: one multi-row insert per [`CHUNK`]
