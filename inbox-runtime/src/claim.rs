@@ -3,7 +3,7 @@
 //! protocol itself (phase 1, lease renewal, phase 2, release) is the store's:
 //! `store/two_phase.rs`.
 
-use crate::backend::{ArmedTx, CutSessions, InboxBackend, TableName};
+use crate::backend::{ArmedTx, InboxBackend, ServerFacts, TableName};
 use sha2::{Digest, Sha256};
 use sqlx::{Pool, SqlStr, Transaction};
 use std::fmt;
@@ -43,7 +43,7 @@ pub struct Claim<DB: InboxBackend> {
     pool: Pool<DB>,
     begin: SqlStr,
     /// Whether the transaction's session is killed if the try is cut (MySQL).
-    cut: Arc<CutSessions>,
+    facts: Arc<ServerFacts>,
     tx: Option<ArmedTx<DB>>,
 }
 
@@ -85,7 +85,7 @@ impl<DB: InboxBackend> Claim<DB> {
     }
 
     /// A claim owned with `fence` at `attempt`; its transaction begins on `pool` with `begin`,
-    /// armed as `cut` says.
+    /// armed as `facts` say.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         key: String,
@@ -94,7 +94,7 @@ impl<DB: InboxBackend> Claim<DB> {
         attempt: i64,
         pool: Pool<DB>,
         begin: SqlStr,
-        cut: Arc<CutSessions>,
+        facts: Arc<ServerFacts>,
     ) -> Self {
         Claim {
             key,
@@ -103,7 +103,7 @@ impl<DB: InboxBackend> Claim<DB> {
             attempt,
             pool,
             begin,
-            cut,
+            facts,
             tx: None,
         }
     }
@@ -119,7 +119,7 @@ impl<DB: InboxBackend> Claim<DB> {
     pub async fn tx(&mut self) -> Result<&mut Transaction<'static, DB>, sqlx::Error> {
         if self.tx.is_none() {
             let begin = self.begin.clone();
-            self.tx = Some(ArmedTx::begin(&self.pool, begin, &self.cut).await?);
+            self.tx = Some(ArmedTx::begin(&self.pool, begin, &self.facts).await?);
         }
         Ok(self.tx.as_deref_mut().expect("begun above"))
     }

@@ -47,13 +47,17 @@ pub(crate) struct Beginning<DB: Backend> {
     kept: bool,
 }
 
-/// Whether the tries of an inbox must have their sessions killed when cut at their deadline:
-/// not known until a backend that may need it (MySQL, not MariaDB) has asked its server.
-/// Shared by the tries of one worker's inbox.
+/// What the tries of one worker's inbox know of their server: whether a try cut at its deadline
+/// must have its session killed, and which server it is where a backend's statements differ
+/// (MariaDB's from MySQL's). Not known until a backend that needs it (MySQL's) has asked its
+/// server, at the first try. Shared by the tries of one worker's inbox.
 #[derive(Debug, Default)]
-pub struct CutSessions(AtomicU8);
+pub struct ServerFacts {
+    cut: AtomicU8,
+    server: AtomicU8,
+}
 
-/// What [`CutSessions`] knows.
+/// Whether a try cut at its deadline ends its statements ([`ServerFacts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Cut {
     /// No deadline cuts the tries (an inbox used without a worker).
@@ -66,15 +70,33 @@ pub enum Cut {
     Kill,
 }
 
-impl CutSessions {
+/// Which server the tries talk to ([`ServerFacts`]), told apart only where a backend's
+/// statements differ; `Unknown` on PostgreSQL and SQLite, and on MySQL until asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Server {
+    /// Not asked (or nothing to tell): statements every server of the backend takes.
+    Unknown,
+    /// Oracle MySQL.
+    MySql,
+    /// MariaDB; `returning`: 10.5 or later, with `INSERT .. RETURNING`.
+    MariaDb {
+        /// Whether the server has `INSERT .. RETURNING` (MariaDB 10.5 on).
+        returning: bool,
+    },
+}
+
+impl ServerFacts {
     /// Tries that a deadline cuts, on a server not asked yet.
     pub(crate) fn deadline() -> Self {
-        CutSessions(AtomicU8::new(Cut::Unknown as u8))
+        ServerFacts {
+            cut: AtomicU8::new(Cut::Unknown as u8),
+            server: AtomicU8::new(0),
+        }
     }
 
-    /// What is known.
-    pub(crate) fn get(&self) -> Cut {
-        match self.0.load(Ordering::Relaxed) {
+    /// Whether a cut try ends its statements, as far as known.
+    pub(crate) fn cut(&self) -> Cut {
+        match self.cut.load(Ordering::Relaxed) {
             0 => Cut::NoDeadline,
             1 => Cut::Unknown,
             2 => Cut::Bounded,
@@ -82,13 +104,32 @@ impl CutSessions {
         }
     }
 
-    /// Records what the server answered (or what a test forces).
+    /// Which server it is, as far as known.
+    pub(crate) fn server(&self) -> Server {
+        match self.server.load(Ordering::Relaxed) {
+            0 => Server::Unknown,
+            1 => Server::MySql,
+            2 => Server::MariaDb { returning: false },
+            _ => Server::MariaDb { returning: true },
+        }
+    }
+
+    /// Records what the server answered (or, `server` left alone, what a test forces).
     #[cfg_attr(
         not(any(feature = "mysql", feature = "test-util")),
         allow(dead_code, reason = "only MySQL's server and tests tell")
     )]
-    pub(crate) fn set(&self, cut: Cut) {
-        self.0.store(cut as u8, Ordering::Relaxed);
+    pub(crate) fn set(&self, cut: Cut, server: Option<Server>) {
+        if let Some(server) = server {
+            let code = match server {
+                Server::Unknown => 0,
+                Server::MySql => 1,
+                Server::MariaDb { returning: false } => 2,
+                Server::MariaDb { returning: true } => 3,
+            };
+            self.server.store(code, Ordering::Relaxed);
+        }
+        self.cut.store(cut as u8, Ordering::Relaxed);
     }
 }
 
@@ -235,15 +276,15 @@ pub(crate) struct ArmedTx<DB: Backend> {
 }
 
 impl<DB: Backend> ArmedTx<DB> {
-    /// Begins a transaction on `pool` with `sql`, armed if `cut` says that a cut try's session
-    /// must be killed (asking the server the first time).
+    /// Begins a transaction on `pool` with `sql`, armed if `facts` say that a cut try's
+    /// session must be killed (asking the server the first time).
     pub(crate) async fn begin(
         pool: &Pool<DB>,
         sql: SqlStr,
-        cut: &CutSessions,
+        facts: &ServerFacts,
     ) -> Result<Self, sqlx::Error> {
         let mut tx = DB::begin(pool, sql).await?;
-        let id = DB::session_to_kill(&mut *tx, cut).await?;
+        let id = DB::session_to_kill(&mut *tx, facts).await?;
         Ok(ArmedTx {
             tx: Some(tx),
             kill: id.map(|id| (pool.clone(), id)),

@@ -2,7 +2,7 @@
 //! public trait in a private module): its SQL is an implementation detail, and a new backend is
 //! added in this crate, where the conformance suite runs it (see CONTRIBUTING.md).
 
-use super::begin::{Cut, CutSessions};
+use super::begin::{Server, ServerFacts};
 use super::{Generic, GenericOutbox, TableName};
 use crate::layout::{Layout, Partitions};
 use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
@@ -177,16 +177,16 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
     }
 
     /// Where [`Backend::begin_sql`] may not bound a server's statements (MySQL: the
-    /// bound is MariaDB's alone), the id of `conn`'s session when the server of `cut` needs it
-    /// killed should a try on `conn` be cut at its deadline (`backend::Beginning`,
-    /// `backend::ArmedTx`); `None` where
-    /// the statements end with their try. Asks the server which it is once, then records it in
-    /// `cut`. `None` by default, without a round trip.
+    /// bound is MariaDB's alone), the id of `conn`'s session when the server `facts` tell of
+    /// needs it killed should a try on `conn` be cut at its deadline (`backend::Beginning`,
+    /// `backend::ArmedTx`); `None` where the statements end with their try. Asks the server
+    /// which it is once, then records it in `facts` (with the [`Server`] the dialect's other
+    /// statements are told). `None` by default, without a round trip.
     fn session_to_kill<'a>(
         conn: &'a mut Self::Connection,
-        cut: &'a CutSessions,
+        facts: &'a ServerFacts,
     ) -> impl Future<Output = Result<Option<u64>, sqlx::Error>> + Send + 'a {
-        let _ = (conn, cut);
+        let _ = (conn, facts);
         std::future::ready(Ok(None))
     }
 
@@ -238,16 +238,16 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
     /// Claims every key of a batch (in the order given) in `tx`: per key, what
     /// [`Backend::claim`] would answer, a later copy of a key the batch claimed being a
     /// duplicate. By default a claim statement per key; a dialect that can tell new rows from
-    /// duplicates in one statement overrides it (MySQL's only on a server `cut` says is
-    /// MariaDB's).
+    /// duplicates in one statement overrides it (MySQL's only on a `server` known to be
+    /// MariaDB 10.5 or later).
     fn claim_many<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
-        (table, layout, cut): (&'a TableName, &'a Layout, Cut),
+        (table, layout, server): (&'a TableName, &'a Layout, Server),
         claim: SqlStr,
         consumer: &'a str,
         keys: &'a [&'a str],
     ) -> impl Future<Output = Result<Vec<Claimed>, sqlx::Error>> + Send + 'a {
-        let _ = (table, layout, cut);
+        let _ = (table, layout, server);
         claim_each(tx, claim, consumer, keys)
     }
 
@@ -424,10 +424,10 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
     /// inserted in their order only while the session is still in a transaction it began
     /// itself, checked by the server from the session's state without reading the marker;
     /// else the statement fails with an error [`Backend::is_missing_marker`] tells, and
-    /// [`Backend::insert_held`] decides. `None` where the server, as `cut` knows it, has no
+    /// [`Backend::insert_held`] decides. `None` where the `server`, as far as known, has no
     /// such check (the default). A marker's check costs its server a subquery's planning per
     /// message; this one, an expression.
-    fn insert_if_open_sql(_outbox: &TableName, _cut: Cut, _n: usize) -> Option<SqlStr> {
+    fn insert_if_open_sql(_outbox: &TableName, _server: Server, _n: usize) -> Option<SqlStr> {
         None
     }
 

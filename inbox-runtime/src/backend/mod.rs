@@ -27,7 +27,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub(crate) use begin::{ArmedTx, Beginning, Cut, CutSessions};
+pub(crate) use begin::{ArmedTx, Beginning, Cut, Server, ServerFacts};
 pub(crate) use dialect::{Backend, Claimed, RelayTurns};
 pub(crate) use executor::{Generic, GenericOutbox};
 pub use rows::FailedRow;

@@ -9,7 +9,7 @@
 //! (the isolation level is set with `START TRANSACTION`: `mysql/session.rs`).
 
 use super::TableName;
-use super::{Backend, Claimed, Cut, CutSessions};
+use super::{Backend, Claimed, Cut, Server, ServerFacts};
 use crate::layout::Layout;
 use sqlx::{AssertSqlSafe, MySql, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::time::Duration;
@@ -21,6 +21,9 @@ mod outbox;
 
 mod claims;
 use claims::claimed;
+
+mod version;
+use version::Version;
 
 impl Backend for MySql {
     const NAME: &'static str = "MySQL";
@@ -42,18 +45,13 @@ impl Backend for MySql {
     ));
 
     fn relay_unsupported(version: &str) -> Option<String> {
-        // SKIP LOCKED came with MariaDB 10.6 and MySQL 8.0.1. MariaDB may say "5.5.5-" first
-        // (a prefix for old replication clients).
-        let number = version.strip_prefix("5.5.5-").unwrap_or(version);
-        let mut parts = number.split(|c: char| !c.is_ascii_digit());
-        let mut next = || parts.next().and_then(|p| p.parse::<u32>().ok());
-        let found = (next()?, next().unwrap_or(0), next().unwrap_or(0));
-        let (name, needed) = if version.to_ascii_lowercase().contains("mariadb") {
-            ("MariaDB", (10, 6, 0))
-        } else {
-            ("MySQL", (8, 0, 1))
+        // SKIP LOCKED came with MariaDB 10.6 and MySQL 8.0.1.
+        let read = Version::parse(version);
+        let (name, needed) = match read.mariadb {
+            true => ("MariaDB", (10, 6, 0)),
+            false => ("MySQL", (8, 0, 1)),
         };
-        (found < needed).then(|| {
+        (read.number.is_some() && !read.at_least(needed)).then(|| {
             format!(
                 "the outbox relay locks rows FOR UPDATE SKIP LOCKED, which {name} has from \
                  {}.{}.{} on; this server is {version}",
@@ -184,8 +182,7 @@ impl Backend for MySql {
         .into_sql_str()
     }
 
-    /// MariaDB's (a `cut` of [`Cut::Bounded`] is the server's answer that it is MariaDB, see
-    /// `session_to_kill`): the payload is NULL unless `@@in_transaction` and `@@autocommit`. A
+    /// MariaDB's (as `session_to_kill` learned the server): the payload is NULL unless `@@in_transaction` and `@@autocommit`. A
     /// deadlock or a lock wait's timeout that rolled the transaction back leaves the session
     /// out of any transaction (MariaDB 10.11: the handler's later statements commit on their
     /// own, and `@@in_transaction` stays 0), and with `autocommit` on only an explicit BEGIN
@@ -197,8 +194,8 @@ impl Backend for MySql {
     /// Several rows (a batch's) go as one multi-row `VALUES`, strict for the statement:
     /// outside strict mode a NULL into a NOT NULL column of a multi-row insert is stored as
     /// `''` with a warning, where a one-row insert fails either way.
-    fn insert_if_open_sql(outbox: &TableName, cut: Cut, n: usize) -> Option<SqlStr> {
-        (cut == Cut::Bounded).then(|| {
+    fn insert_if_open_sql(outbox: &TableName, server: Server, n: usize) -> Option<SqlStr> {
+        matches!(server, Server::MariaDb { .. }).then(|| {
             let row = "(?, ?, ?, ?, IF(@@in_transaction AND @@autocommit, ?, NULL))";
             let strict = match n {
                 1 => "",
@@ -257,12 +254,12 @@ impl Backend for MySql {
 
     async fn session_to_kill<'a>(
         conn: &'a mut sqlx::MySqlConnection,
-        cut: &'a CutSessions,
+        facts: &'a ServerFacts,
     ) -> Result<Option<u64>, sqlx::Error> {
         // MariaDB bounds every statement by the deadline (`begin_sql`); MySQL has
         // no such bound, so a cut try's session is killed there, and each try first learns its
         // session's id (one round trip).
-        match cut.get() {
+        match facts.cut() {
             Cut::NoDeadline | Cut::Bounded => Ok(None),
             Cut::Kill => {
                 let id: i64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS SIGNED)")
@@ -275,11 +272,12 @@ impl Backend for MySql {
                     sqlx::query_as("SELECT CAST(CONNECTION_ID() AS SIGNED), VERSION()")
                         .fetch_one(conn)
                         .await?;
-                if version.contains("MariaDB") {
-                    cut.set(Cut::Bounded);
+                let server = Version::parse(&version).server();
+                if let Server::MariaDb { .. } = server {
+                    facts.set(Cut::Bounded, Some(server));
                     Ok(None)
                 } else {
-                    cut.set(Cut::Kill);
+                    facts.set(Cut::Kill, Some(server));
                     Ok(Some(id as u64))
                 }
             }
@@ -387,12 +385,12 @@ impl Backend for MySql {
 
     async fn claim_many<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
-        (table, _layout, cut): (&'a TableName, &'a Layout, Cut),
+        (table, _layout, server): (&'a TableName, &'a Layout, Server),
         claim: SqlStr,
         consumer: &'a str,
         keys: &'a [&'a str],
     ) -> Result<Vec<Claimed>, sqlx::Error> {
-        claims::claim_many(tx, (table, cut), claim, consumer, keys).await
+        claims::claim_many(tx, (table, server), claim, consumer, keys).await
     }
 
     fn is_data_error(err: &dyn sqlx::error::DatabaseError) -> bool {

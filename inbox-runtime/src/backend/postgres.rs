@@ -6,7 +6,7 @@ use super::TableName;
 mod arrays;
 mod partitioned;
 
-use super::{Backend, Claimed, Cut, GenericOutbox, KeyId, NewOutboxRow, OutboxRow};
+use super::{Backend, Claimed, GenericOutbox, KeyId, NewOutboxRow, OutboxRow, Server};
 use crate::layout::{Layout, Partitions};
 use futures::future::Either;
 use partitioned::{claim_many_partitioned, partitioned_cleanup, partitioned_migrations};
@@ -242,7 +242,7 @@ impl Backend for Postgres {
 
     async fn claim_many<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
-        (table, layout, _): (&'a TableName, &'a Layout, Cut),
+        (table, layout, _): (&'a TableName, &'a Layout, Server),
         _claim: SqlStr,
         consumer: &'a str,
         keys: &'a [&'a str],

@@ -4,7 +4,7 @@
 //! RETURNING id` (the default claim). Use WAL and a busy timeout (see [`sqlite_options`](crate::sqlite_options)).
 
 use super::TableName;
-use super::{Backend, Claimed, Cut, KeyId, RelayTurns};
+use super::{Backend, Claimed, KeyId, RelayTurns, Server};
 use crate::layout::Layout;
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr, Sqlite, Transaction};
 use std::time::Duration;
@@ -29,7 +29,7 @@ impl Backend for Sqlite {
 
     async fn claim_many<'a, 'c>(
         tx: &'a mut Transaction<'c, Self>,
-        (table, _layout, _): (&'a TableName, &'a Layout, Cut),
+        (table, _layout, _): (&'a TableName, &'a Layout, Server),
         _claim: SqlStr,
         consumer: &'a str,
         keys: &'a [&'a str],

@@ -181,7 +181,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         let mut claimed_at = Vec::with_capacity(keys.len());
         let claims = DB::claim_many(
             &mut tx,
-            (self.table(), &self.layout(), self.cut.get()),
+            (self.table(), &self.layout(), self.facts.server()),
             self.sql.claim.clone(),
             H::CONSUMER,
             keys,
@@ -258,8 +258,8 @@ impl<DB: InboxBackend> Inbox<DB> {
             let first = (claimed[0], H::CONSUMER, keys[claimed_at[0]]);
             let held = held.take();
             // The finish below finds every marker or rolls back: it checks them after the rows.
-            let (table, cut) = (self.table(), self.cut.get());
-            let written = held::insert_if_marked::<DB>(&mut tx, table, &held, first, cut, true);
+            let (table, server) = (self.table(), self.facts.server());
+            let written = held::insert_if_marked::<DB>(&mut tx, table, &held, first, server, true);
             let finished = match written.await {
                 Ok(true) => DB::finish_many(&mut tx, self.table(), &claimed, &hashes).await,
                 Ok(false) => Ok(Default::default()),
@@ -358,7 +358,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             .collect();
         let claims = DB::claim_many(
             &mut tx,
-            (self.table(), &self.layout(), self.cut.get()),
+            (self.table(), &self.layout(), self.facts.server()),
             self.sql.claim.clone(),
             H::CONSUMER,
             &claimed_keys,

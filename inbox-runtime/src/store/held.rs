@@ -13,7 +13,7 @@
 //! in another transaction (the handler's own, or a savepoint it opened with `tx.begin()`, which
 //! it may roll back) is inserted at once, as outside a worker.
 
-use crate::backend::{Cut, InboxBackend, NewOutboxRow, TableName};
+use crate::backend::{InboxBackend, NewOutboxRow, Server, TableName};
 use std::cell::RefCell;
 use std::future::Future;
 
@@ -138,7 +138,7 @@ fn chunk_len(rows: &[HeldRow]) -> usize {
 /// table and per [`CHUNK`] rows or [`CHUNK_BYTES`] bytes, in their order. `Ok(false)`: the marker is not there (the
 /// transaction ended under the handler), and no row was inserted by the statement that found it
 /// so. A statement is first tried with the server's own check of the transaction, where it
-/// has one (`cut`: what the inbox knows of its server; `Backend::insert_if_open_sql`), and the
+/// has one (`server`: what the inbox knows of its server; `Backend::insert_if_open_sql`), and the
 /// marker decides only when that check fails. That check cannot tell a BEGIN of the handler's
 /// own, after its transaction ended, from the transaction the store began; so it stands for
 /// one row (as it has since it came in), and for several only where the markers are `rechecked`
@@ -149,7 +149,7 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
     inbox: &TableName,
     rows: &[HeldRow],
     (id, consumer, key): (i64, &str, &str),
-    cut: Cut,
+    server: Server,
     rechecked: bool,
 ) -> Result<bool, sqlx::Error> {
     let mut start = 0;
@@ -161,7 +161,7 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
             .map(HeldRow::new_row)
             .collect();
         let open = match same == 1 || rechecked {
-            true => DB::insert_if_open_sql(table, cut, same),
+            true => DB::insert_if_open_sql(table, server, same),
             false => None,
         };
         if let Some(sql) = open {

@@ -21,7 +21,7 @@ pub use cleanup::{CleanupError, RetentionFloor, retention_floor};
 pub(crate) use kept::IDLE as KEPT_IDLE;
 
 use crate::backend::{
-    Beginning, Cut, CutSessions, DEFAULT_LOCK_TIMEOUT, InboxBackend, InboxStatements, TableName,
+    Beginning, Cut, DEFAULT_LOCK_TIMEOUT, InboxBackend, InboxStatements, ServerFacts, TableName,
     migrate,
 };
 use crate::claim::DEFAULT_LEASE;
@@ -60,7 +60,7 @@ pub struct Inbox<DB: InboxBackend> {
     /// clones.
     pub(crate) key_reuses: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// Whether a try cut at its deadline has its session killed (see `Inbox::try_connection`).
-    cut: std::sync::Arc<CutSessions>,
+    facts: std::sync::Arc<ServerFacts>,
     /// Connections the tries keep between messages (a worker's inbox only; see `kept.rs`).
     kept: Option<std::sync::Arc<kept::Kept<DB>>>,
 }
@@ -76,7 +76,7 @@ impl<DB: InboxBackend> Clone for Inbox<DB> {
             migration_wait: self.migration_wait,
             sql: self.sql.clone(),
             key_reuses: self.key_reuses.clone(),
-            cut: self.cut.clone(),
+            facts: self.facts.clone(),
             kept: self.kept.clone(),
         }
     }
@@ -99,7 +99,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             lease: DEFAULT_LEASE,
             migration_wait: migrate::MIGRATION_LOCK_WAIT,
             key_reuses: Default::default(),
-            cut: Default::default(),
+            facts: Default::default(),
             kept: None,
         }
     }
@@ -152,13 +152,13 @@ impl<DB: InboxBackend> Inbox<DB> {
     /// Where the database has no such bound (MySQL), a try cut at its deadline has its session
     /// killed instead (see [`Inbox::try_connection`]).
     pub(crate) fn bounded_by(mut self, timeout: Duration) -> Self {
-        if self.cut.get() == Cut::Kill {
+        if self.facts.cut() == Cut::Kill {
             // Forced (`kill_cut_sessions`): the bound is left out, so that the kill is what
             // ends a cut try's statement.
             return self;
         }
         self.sql.bound_statements::<DB>(timeout);
-        self.cut = std::sync::Arc::new(CutSessions::deadline());
+        self.facts = std::sync::Arc::new(ServerFacts::deadline());
         self
     }
 
@@ -168,9 +168,9 @@ impl<DB: InboxBackend> Inbox<DB> {
     #[cfg(feature = "test-util")]
     #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn kill_cut_sessions(mut self) -> Self {
-        let cut = CutSessions::deadline();
-        cut.set(Cut::Kill);
-        self.cut = std::sync::Arc::new(cut);
+        let facts = ServerFacts::deadline();
+        facts.set(Cut::Kill, None);
+        self.facts = std::sync::Arc::new(facts);
         self
     }
 
@@ -188,7 +188,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         };
         let session = match session {
             Some(id) => Some(id),
-            None => DB::session_to_kill(&mut conn, &self.cut).await?,
+            None => DB::session_to_kill(&mut conn, &self.facts).await?,
         };
         if let Some(id) = session {
             conn.arm(&self.pool, id);

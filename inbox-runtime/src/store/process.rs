@@ -332,9 +332,9 @@ impl<DB: InboxBackend> Inbox<DB> {
                 let marked = (marker.id, marker.consumer, key);
                 // Nothing checks the marker after the rows: they go by it (or, one row, by
                 // the server's check of the transaction).
-                let cut = self.cut.get();
+                let server = self.facts.server();
                 let insert =
-                    held::insert_if_marked::<DB>(conn, self.table(), &held, marked, cut, false);
+                    held::insert_if_marked::<DB>(conn, self.table(), &held, marked, server, false);
                 Some(insert.await.map_err(failed)?)
             }
         };

@@ -101,7 +101,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             attempt,
             self.pool().clone(),
             self.sql.begin.sql.clone(),
-            self.cut.clone(),
+            self.facts.clone(),
         );
         let renewal = self.keep_renewed(id, fence, lease);
         tokio::pin!(renewal);

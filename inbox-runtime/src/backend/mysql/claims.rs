@@ -2,9 +2,8 @@
 //! markers in one such statement, whose `RETURNING` tells the new ones.
 
 use super::super::dialect::claim_each;
-use super::super::{Claimed, Cut, TableName};
+use super::super::{Claimed, Server, TableName};
 use sqlx::{AssertSqlSafe, MySql, Row, SqlStr, Transaction};
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 
 /// The keys of one statement of a batch's claims, at most: 100 rows, as the batch's outbox
 /// rows go.
@@ -24,32 +23,21 @@ pub(super) fn claimed(done: &sqlx::mysql::MySqlQueryResult) -> Result<Claimed, s
     }
 }
 
-/// Set once a MariaDB server refused `RETURNING` (before 10.5): from then on the process's
-/// batches claim a key at a time, on every server (correct everywhere, slower on a newer one).
-static NO_RETURNING: AtomicBool = AtomicBool::new(false);
-
-/// The claims of a batch's `keys`, in order: in one statement on MariaDB (which `cut` tells)
-/// from 10.5, else with `claim`, a marker's statement, per key.
+/// The claims of a batch's `keys`, in order: in one statement on MariaDB from 10.5 (as
+/// `server` is known), else with `claim`, a marker's statement, per key.
 pub(super) async fn claim_many(
     tx: &mut Transaction<'_, MySql>,
-    (table, cut): (&TableName, Cut),
+    (table, server): (&TableName, Server),
     claim: SqlStr,
     consumer: &str,
     keys: &[&str],
 ) -> Result<Vec<Claimed>, sqlx::Error> {
-    if cut == Cut::Bounded && keys.len() > 1 && !NO_RETURNING.load(Relaxed) {
-        match claim_many_mariadb(tx, table, consumer, keys).await? {
-            Some(claims) => return Ok(claims),
-            None => {
-                NO_RETURNING.store(true, Relaxed);
-                tracing::warn!(
-                    "this MariaDB server refused INSERT .. RETURNING (before 10.5): batches \
-                     claim their keys one statement each"
-                );
-            }
+    match server {
+        Server::MariaDb { returning: true } if keys.len() > 1 => {
+            claim_many_mariadb(tx, table, consumer, keys).await
         }
+        _ => claim_each(tx, claim, consumer, keys).await,
     }
-    claim_each(tx, claim, consumer, keys).await
 }
 
 /// The claims of a batch's `keys` (in order) on MariaDB: one multi-row insert per [`CHUNK`]
@@ -62,15 +50,12 @@ pub(super) async fn claim_many(
 /// unprepared: each count of rows would be a statement of its own, for sqlx to prepare and
 /// keep in its cache of 100 per connection, and a hex literal needs no escaping whatever the
 /// session's `sql_mode`.
-///
-/// `None`: the server refused the first statement's syntax (MariaDB before 10.5 has no
-/// `RETURNING`); it changed nothing, and the transaction goes on.
 async fn claim_many_mariadb(
     tx: &mut Transaction<'_, MySql>,
     table: &TableName,
     consumer: &str,
     keys: &[&str],
-) -> Result<Option<Vec<Claimed>>, sqlx::Error> {
+) -> Result<Vec<Claimed>, sqlx::Error> {
     let consumer = hex::encode(consumer);
     let mut claims = Vec::with_capacity(keys.len());
     for chunk in keys.chunks(CHUNK) {
@@ -84,10 +69,7 @@ async fn claim_many_mariadb(
              RETURNING id, message_key, dup_count",
             rows.join(", ")
         ));
-        let returned = match sqlx::raw_sql(sql).fetch_all(&mut **tx).await {
-            Err(e) if claims.is_empty() && is_syntax_error(&e) => return Ok(None),
-            returned => returned?,
-        };
+        let returned = sqlx::raw_sql(sql).fetch_all(&mut **tx).await?;
         if returned.len() != chunk.len() {
             return Err(unexpected(format!(
                 "{} rows for {} keys",
@@ -109,14 +91,7 @@ async fn claim_many_mariadb(
             });
         }
     }
-    Ok(Some(claims))
-}
-
-/// 1064: a statement the server cannot parse.
-fn is_syntax_error(err: &sqlx::Error) -> bool {
-    err.as_database_error()
-        .and_then(|e| e.try_downcast_ref::<sqlx::mysql::MySqlDatabaseError>())
-        .is_some_and(|e| e.number() == 1064)
+    Ok(claims)
 }
 
 /// A batch's claim statement returned what it cannot have: the batch is not trusted with it.
