@@ -46,11 +46,18 @@ impl<DB: InboxBackend> Inbox<DB> {
     ) -> Result<Outcome, ProcessError> {
         // Whatever the handler wrote for a background task (an outbox row, for its relay) wakes
         // that task once this ends.
-        // Boxed: the processing future (a two-phase claim's above all) is large, and moving it
-        // through the scope's layers by value overflowed a worker thread's stack in debug
-        // builds.
-        let work = Box::pin(self.process_keyed_now(handler, state, message, delivery, key));
-        crate::wake::scope(held::scope(work)).await
+        // Boxed: the processing future is large (sqlx's pool acquire alone is about 13 KiB),
+        // and moving it through the scope's layers by value overflowed a worker thread's stack
+        // in debug builds. The two paths apart: a future's layout is fixed before `TWO_PHASE`
+        // is known, so a two-phase claim's path inline would make every message's future as
+        // large as both.
+        if H::TWO_PHASE {
+            let work = Box::pin(self.process_claimed(handler, state, message, delivery, key));
+            crate::wake::scope(held::scope(work)).await
+        } else {
+            let work = Box::pin(self.process_keyed_now(handler, state, message, delivery, key));
+            crate::wake::scope(held::scope(work)).await
+        }
     }
 
     async fn process_keyed_now<H: Handler<Db = DB>>(
@@ -61,11 +68,6 @@ impl<DB: InboxBackend> Inbox<DB> {
         delivery: &Delivery,
         key: &str,
     ) -> Result<Outcome, ProcessError> {
-        if H::TWO_PHASE {
-            return self
-                .process_claimed(handler, state, message, delivery, key)
-                .await;
-        }
         let begin = |source| ProcessError::Database {
             stage: Stage::Begin,
             source,
@@ -114,7 +116,8 @@ impl<DB: InboxBackend> Inbox<DB> {
         }
         match done? {
             Ok(outcome) => Ok(outcome),
-            Err(source) => self.after_failed_commit(H::CONSUMER, key, source).await,
+            // Boxed: a cold path, about as large as the rest of the message's future.
+            Err(source) => Box::pin(self.after_failed_commit(H::CONSUMER, key, source)).await,
         }
     }
 

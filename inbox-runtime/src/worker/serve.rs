@@ -158,9 +158,17 @@ where
                     key: key.as_deref(),
                 };
                 let last = keep || self.last_delivery(delivery.delivered);
+                // The letter's futures boxed (here and below): kept inline they would make every
+                // message's task as large as the rarest path (tens of KiB, allocated and copied
+                // per message).
                 let stored = if last {
                     let keep = self.keep_letter(message, &letter, shutdown);
-                    with_progress(&[message], self.settings.progress_every, keep).await
+                    Box::pin(with_progress(
+                        &[message],
+                        self.settings.progress_every,
+                        keep,
+                    ))
+                    .await
                 } else if created.is_none() {
                     // A letter without the creation time has another id than the one a later
                     // try (or the backstop) writes: if its term were lost (a leader election,
@@ -169,7 +177,7 @@ where
                     tracing::warn!(original = %reason, "the stream's creation time is unknown; nak, to dead-letter it later");
                     Err(())
                 } else {
-                    self.dead_letters.publish(message, &letter).await.map_err(|e| {
+                    Box::pin(self.dead_letters.publish(message, &letter)).await.map_err(|e| {
                         tracing::error!(error = %e, original = %reason, "dead-letter publish failed; nak");
                     })
                 };
@@ -311,7 +319,8 @@ where
             let may_be_outage = is_outage::<H::Db>(&err)
                 || is_timeout::<H::Db>(&err)
                 || matches!(err, ProcessError::Deadline(_));
-            if may_be_outage && !self.inbox.answers().await {
+            // The probe boxed: a cold path, as large as the whole try inline.
+            if may_be_outage && !Box::pin(self.inbox.answers()).await {
                 // Every message would fail the same way: not this one's fault, so it spends no
                 // delivery. It waits, and its next try probes the database.
                 self.circuit.trip(&err);

@@ -475,13 +475,27 @@ fn spawn_contender(
     db: &Database,
     stream: &str,
 ) -> Result<Child, String> {
+    // A profiler in front of the consumer (CONTRIBUTING.md, "Profiling a bench contender"): the
+    // command's words, then the binary and its arguments.
+    let wrap = |bin: &std::path::Path| {
+        let wrapper = std::env::var("BENCH_WRAP").unwrap_or_default();
+        let mut words = wrapper.split_whitespace();
+        match words.next() {
+            Some(first) => {
+                let mut c = Command::new(first);
+                c.args(words).arg(bin);
+                c
+            }
+            None => Command::new(bin),
+        }
+    };
     let (binary, mut command) = match contender {
         Contender::Handwritten => {
-            let mut c = Command::new(&binaries.baseline);
+            let mut c = wrap(&binaries.baseline);
             c.arg("consumer");
             (&binaries.baseline, c)
         }
-        _ => (&binaries.credit, Command::new(&binaries.credit)),
+        _ => (&binaries.credit, wrap(&binaries.credit)),
     };
     let url = match backend {
         // `credit` creates the file; the baseline's pool may too.
