@@ -204,6 +204,14 @@ async fn key_reused_after_its_batch_committed_is_counted<B: TestBackend>() {
         3,
         "every marker's hash written"
     );
+    // The markers' `received_at` is their claim's (the transaction's time on PostgreSQL, the
+    // statement's on MySQL and SQLite): one, so the three were one batch, claimed together.
+    let claims = "SELECT count(DISTINCT received_at) FROM inbox";
+    assert_eq!(
+        B::count(&db, claims).await,
+        1,
+        "the first three not one batch"
+    );
     nats.publish_all([Entry::new("b", 1, 1).json(), Entry::new("c", 1, 2).json()])
         .await;
     nats.wait_drained("c").await;
