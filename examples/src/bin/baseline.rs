@@ -185,11 +185,12 @@ async fn run(mode: &str) -> Result<(), Error> {
         }
         "sqlite" => {
             let options = inbox_runtime::sqlite_options(&url)?;
+            // Lazy: the first connection (its PRAGMAs, WAL among them, need the file's lock)
+            // opens within `set_up_sqlite`'s tries, not before them.
             let pool = PoolOptions::<Sqlite>::new()
                 .max_connections(1)
                 .test_before_acquire(false)
-                .connect_with(options)
-                .await?;
+                .connect_lazy_with(options);
             set_up_sqlite(&pool).await?;
             contend(mode, pool, &SQLITE, 1).await
         }
