@@ -9,8 +9,9 @@
 
 use crate::{Config, Error, Filter, Selection};
 use async_nats::HeaderMap;
-use async_nats::jetstream::{self, stream::LastRawMessageErrorKind, stream::Stream};
+use async_nats::jetstream::{self, stream::Stream};
 use bytes::Bytes;
+use inbox_runtime::stored::{Headers as StoredHeaders, Lookup};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
@@ -47,6 +48,9 @@ pub struct Letter {
     pub error: String,
     /// Its group (`inbox dlq groups`).
     pub group: String,
+    /// Header lines of the letter that no client reads as headers (a letter published by
+    /// another client): left out of what is shown and of a replay.
+    pub unreadable_headers: usize,
     #[serde(skip)]
     headers: HeaderMap,
     #[serde(skip)]
@@ -137,31 +141,38 @@ impl Letters {
 
     /// Every letter (of `consumer`'s alone, with one), in stream order.
     pub async fn read_of(&self, consumer: Option<&str>) -> Result<Vec<Letter>, Error> {
-        let Some(stream) = self.stream().await? else {
+        if self.stream().await?.is_none() {
             return Ok(Vec::new());
-        };
+        }
         let filter = match consumer {
             Some(c) => format!("{}.{c}", self.prefix),
             None => format!("{}.>", self.prefix),
         };
         let mut letters = Vec::new();
         let mut seq = 1;
+        // Read through JetStream's JSON API, the header block parsed by the runtime: a letter
+        // stored with a header line async-nats cannot read (published by another client) is
+        // listed with what can be read, where async-nats's own read failed the whole listing.
         loop {
-            let message = match stream.get_first_raw_message_by_subject(&filter, seq).await {
-                Ok(message) => message,
-                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => break,
+            let lookup = Lookup::NextBySubject(seq, &filter);
+            let message = match inbox_runtime::stored::read(&self.js, &self.name, lookup).await {
+                Ok(Some(message)) => message,
+                Ok(None) => break,
                 Err(e) => return Err(format!("reading dead-letter stream {}: {e}", self.name)),
             };
             seq = message.sequence + 1;
-            let headers = message.headers;
+            let StoredHeaders {
+                readable: headers,
+                unreadable,
+            } = message.headers();
             let error = header(&headers, "Inbox-Error").unwrap_or_default();
             let kind = kind_of(&error);
             letters.push(Letter {
                 seq: message.sequence,
-                time: message
-                    .time
+                time: time::OffsetDateTime::from(message.published)
                     .format(&time::format_description::well_known::Rfc3339)
                     .unwrap_or_default(),
+                unreadable_headers: unreadable.len(),
                 consumer: header(&headers, "Inbox-Consumer").unwrap_or_else(|| {
                     message
                         .subject
@@ -496,6 +507,13 @@ pub fn list_text(letters: &[Letter]) -> String {
             l.time,
             l.error
         );
+        if l.unreadable_headers > 0 {
+            out.pop();
+            out += &format!(
+                " ({} header lines no client reads; left out)\n",
+                l.unreadable_headers
+            );
+        }
     }
     out
 }

@@ -519,6 +519,31 @@ async fn the_other_commands_do_what_they_say<B: TestBackend>() {
         "the letter is kept: {letters}"
     );
     assert_eq!(letters[0]["subject"], long.as_str());
+
+    // A letter another client stored with a header line async-nats cannot read (a value that is
+    // not UTF-8), beside the one above: both are listed, the raw one with what can be read of
+    // it, where async-nats's own read of the stream failed the whole listing.
+    let raw = [
+        b"Inbox-Error: handler failed: raw".to_vec(),
+        b"Inbox-Consumer: ledger".to_vec(),
+        b"X-Bin: \xff\xfe".to_vec(),
+    ];
+    let subject = format!("{}.ledger", nats.dlq_prefix);
+    inbox_testkit::publish_raw_acked(nats.url(), &subject, &raw, b"{}")
+        .await
+        .expect("the raw letter is stored");
+    let letters = json(inbox(&db, &nats, &["dlq", "list", "--json"]));
+    let letters = letters.as_array().unwrap();
+    assert_eq!(letters.len(), 2, "{letters:?}");
+    assert_eq!(letters[1]["error"], "handler failed: raw", "{letters:?}");
+    assert_eq!(letters[1]["consumer"], "ledger", "{letters:?}");
+    assert_eq!(letters[1]["unreadable_headers"], 1, "{letters:?}");
+    assert_eq!(letters[0]["unreadable_headers"], 0, "{letters:?}");
+    let text = ok(inbox(&db, &nats, &["dlq", "list"]));
+    assert!(
+        text.contains("handler failed: raw (1 header lines no client reads; left out)"),
+        "{text}"
+    );
 }
 
 inbox_tests::on_all_backends!(

@@ -26,7 +26,7 @@ mod outbox;
 mod periodic;
 mod replay;
 mod store;
-mod stored;
+pub mod stored;
 mod supervise;
 mod wake;
 mod worker;

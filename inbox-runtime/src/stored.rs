@@ -8,6 +8,23 @@
 //! read, or drops the connection. In the JSON API's answer the header block is base64 inside the
 //! payload, which nothing parses but us: [`StoredMessage::headers`] keeps what the client can
 //! read and sets the rest aside, byte for byte.
+//!
+//! Public for operators' tools (the `inbox` command reads the dead-letter stream with it): a
+//! stream's messages read one after another, whatever header bytes their producers sent.
+//!
+//! ```no_run
+//! # async fn letters(js: async_nats::jetstream::Context) -> Result<(), async_nats::Error> {
+//! use inbox_runtime::stored::{Lookup, read};
+//! let mut seq = 1;
+//! while let Some(message) = read(&js, "INBOX_DLQ", Lookup::NextBySubject(seq, "dlq.>")).await? {
+//!     let headers = message.headers();
+//!     println!("{} {} ({} lines unreadable)", message.sequence, message.subject,
+//!         headers.unreadable.len());
+//!     seq = message.sequence + 1;
+//! }
+//! # Ok(())
+//! # }
+//! ```
 
 use async_nats::jetstream::{self, response::Response};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
@@ -24,7 +41,7 @@ const STREAM_NOT_FOUND: u64 = 10059;
 
 /// A stored message.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct StoredMessage {
+pub struct StoredMessage {
     /// The subject it was published to.
     pub subject: String,
     /// Its stream sequence.
@@ -39,7 +56,7 @@ pub(crate) struct StoredMessage {
 
 /// Which message to read.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Lookup<'a> {
+pub enum Lookup<'a> {
     /// The message with this sequence.
     Sequence(u64),
     /// The first message at or after this sequence on a subject matching the filter.
@@ -71,7 +88,7 @@ struct Raw {
 
 /// Reads one message of `stream`; `None` when there is none (deleted, removed by the stream's
 /// limits, no later message on the subject, or no such stream any more).
-pub(crate) async fn read(
+pub async fn read(
     js: &jetstream::Context,
     stream: &str,
     lookup: Lookup<'_>,
@@ -124,7 +141,7 @@ pub(crate) async fn read(
 
 /// A header block read line by line: what the Rust client can read, and the lines it cannot.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub(crate) struct Headers {
+pub struct Headers {
     /// The headers the client reads as it would on a delivery.
     pub readable: HeaderMap,
     /// Every header line it cannot read (with its continuation lines), as stored.
@@ -133,7 +150,7 @@ pub(crate) struct Headers {
 
 impl StoredMessage {
     /// The message's headers, split into what the client can read and what it cannot.
-    pub(crate) fn headers(&self) -> Headers {
+    pub fn headers(&self) -> Headers {
         self.header_block
             .as_deref()
             .map(split_headers)
