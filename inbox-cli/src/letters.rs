@@ -354,12 +354,15 @@ impl Letters {
                         return Err("it does not say when its original's stream was created, so its original cannot be told from a later message".into());
                     }
                 }
-                Some(
-                    stream
-                        .get_raw_message(seq)
-                        .await
-                        .map_err(|e| format!("its original (sequence {seq}): {e}"))?,
-                )
+                // Read as the letters are: an original stored with header lines async-nats
+                // cannot parse is replayed with those it can.
+                let name = &stream.cached_info().config.name;
+                let read = inbox_runtime::stored::read(&self.js, name, Lookup::Sequence(seq))
+                    .await
+                    .map_err(|e| format!("its original (sequence {seq}): {e}"))?;
+                Some(read.ok_or_else(|| {
+                    format!("its original (sequence {seq}) is no longer in stream {name}")
+                })?)
             }
             (true, _, _) => {
                 return Err("it names neither its subject nor its original's place".into());
@@ -383,8 +386,8 @@ impl Letters {
             ));
         }
         let (source, payload) = match (&original, truncated) {
-            (Some(original), true) => (&original.headers, original.payload.clone()),
-            _ => (&letter.headers, letter.payload.clone()),
+            (Some(original), true) => (original.headers().readable, original.payload.clone()),
+            _ => (letter.headers.clone(), letter.payload.clone()),
         };
         let mut headers = HeaderMap::new();
         for (name, values) in source.iter() {
