@@ -45,6 +45,8 @@ pub(crate) struct Beginning<DB: Backend> {
     /// transaction is open on it, and its first BEGIN may leave out what guards against one
     /// (`Begin::again`).
     kept: bool,
+    /// Its session carries a setting the pool must not hand on ([`Beginning::taint`]).
+    tainted: bool,
 }
 
 /// What the tries of one worker's inbox know of their server: whether a try cut at its deadline
@@ -141,7 +143,20 @@ impl<DB: Backend> Beginning<DB> {
             kill: None,
             session: None,
             kept: false,
+            tainted: false,
         }
+    }
+
+    /// Its session is about to carry a setting of its own (a relay pass's bound on an idle
+    /// transaction): closed rather than put back in the pool if dropped before
+    /// [`Beginning::untaint`], once the setting was given back.
+    pub(crate) fn taint(&mut self) {
+        self.tainted = true;
+    }
+
+    /// Its session's setting was given back ([`Beginning::taint`]).
+    pub(crate) fn untaint(&mut self) {
+        self.tainted = false;
     }
 
     /// A connection kept from a try that ended cleanly, [settled](Beginning::into_settled): its
@@ -169,7 +184,7 @@ impl<DB: Backend> Beginning<DB> {
     /// try on it can still run on the server: every BEGIN answered, and the try
     /// [settled](Beginning::settle). `None`: it is let go as on drop.
     pub(crate) fn into_settled(mut self) -> Option<(PoolConnection<DB>, Option<u64>)> {
-        if self.unanswered || self.kill.is_some() {
+        if self.unanswered || self.tainted || self.kill.is_some() {
             return None;
         }
         self.conn.take().map(|conn| (conn, self.session))
@@ -244,7 +259,7 @@ impl<DB: Backend> Drop for Beginning<DB> {
         let Some(mut conn) = self.conn.take() else {
             return;
         };
-        if self.unanswered {
+        if self.unanswered || self.tainted {
             conn.close_on_drop();
         }
         let Some(kill) = self.kill.take() else {

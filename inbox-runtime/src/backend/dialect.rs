@@ -334,6 +334,12 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
         None
     }
 
+    /// What gives a pass's connection back the session setting [`Backend::relay_turn_sql`]
+    /// changed for the pass (MariaDB's bound on a transaction left idle), run once its
+    /// transaction has ended; a connection it did not run on is closed rather than put back in
+    /// the pool (`Beginning::taint`). `None`: the turn changes nothing of the session.
+    const RELAY_TURN_RESET: Option<&'static str> = None;
+
     /// Whether a database error says a table does not exist (MySQL: an outbox whose
     /// `Outbox::migrate` of this version has not run yet). Only where a failed statement leaves
     /// the transaction usable: `false` by default.

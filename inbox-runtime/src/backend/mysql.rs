@@ -153,12 +153,24 @@ impl Backend for MySql {
     /// The turn row's lock, InnoDB's: let go with the transaction (or the session), so no path
     /// can leave it held, where `GET_LOCK`'s session lock outlives a transaction that ends
     /// without its `RELEASE_LOCK`. Without the row (deleted by hand) no lock is taken, and
-    /// relays work side by side as they did before turns.
+    /// relays work side by side as they did before turns. On MariaDB (10.3+, the executable
+    /// comment) the session's `idle_transaction_timeout` is a minute for the pass, as
+    /// PostgreSQL's: a relay frozen or cut off mid-pass would hold the turn until TCP keepalive
+    /// ended its session (hours); the server ends it once its transaction has been idle for a
+    /// minute, and the next pass publishes its rows again, into the duplicate window.
+    /// `RELAY_TURN_RESET` gives the setting back after the pass.
     fn relay_turn_sql(table: &TableName) -> Option<String> {
         Some(format!(
-            "SELECT id FROM {table}_relay WHERE id = 1 FOR UPDATE"
+            "SET SESSION innodb_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout \
+             /*M!100300 , idle_transaction_timeout = 60 */; \
+             SELECT id FROM {table}_relay WHERE id = 1 FOR UPDATE"
         ))
     }
+
+    const RELAY_TURN_RESET: Option<&'static str> = Some(
+        "SET SESSION innodb_lock_wait_timeout = @@SESSION.innodb_lock_wait_timeout \
+         /*M!100300 , idle_transaction_timeout = DEFAULT */",
+    );
 
     fn is_undefined_table_error(err: &dyn sqlx::error::DatabaseError) -> bool {
         // 1146 ER_NO_SUCH_TABLE.

@@ -29,6 +29,7 @@ use async_nats::jetstream::context::PublishErrorKind;
 use async_nats::jetstream::{self, message::PublishMessage};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, SqlSafeStr};
 use std::collections::{BTreeMap, HashMap};
 use std::str::FromStr;
 use std::sync::atomic::Ordering;
@@ -102,6 +103,12 @@ impl<DB: InboxBackend> Relay<DB> {
             return Ok(full);
         }
         let mut conn = Beginning::new(pool.acquire().await?);
+        // The turn may set the session up for the pass (`Backend::relay_turn_sql`): given
+        // back below, else the connection is closed rather than pooled.
+        let reset = DB::RELAY_TURN_RESET.filter(|_| self.turns);
+        if reset.is_some() {
+            conn.taint();
+        }
         let passed = async {
             let mut tx = conn.begin_with(&sql.begin).await?;
             if !self.take_turn(&mut tx).await? {
@@ -128,6 +135,13 @@ impl<DB: InboxBackend> Relay<DB> {
             Ok::<_, RelayError>(full)
         }
         .await;
+        if let Some(reset) = reset
+            && DB::execute_raw(&mut **conn, AssertSqlSafe(reset).into_sql_str())
+                .await
+                .is_ok()
+        {
+            conn.untaint();
+        }
         closing_read_only(&mut conn, passed)
     }
 

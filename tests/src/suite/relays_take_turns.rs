@@ -7,7 +7,7 @@
 //! A turn held longer than a relay waits for it (another relay's pass stuck on JetStream, a
 //! lease not yet run out) lets the relay's pass go without an error, and it relays once the
 //! turn is free. On MySQL, an outbox without the turn table (its newest migration not run)
-//! is relayed without turns. On PostgreSQL, a relay frozen mid-pass loses the turn once its
+//! is relayed without turns. On PostgreSQL and MariaDB, a relay frozen mid-pass loses the turn once its
 //! transaction has been idle for a minute.
 
 use super::outbox::{
@@ -158,14 +158,12 @@ super::behaviours!(
     a_turn_held_too_long_lets_the_pass_go
 );
 
-/// PostgreSQL alone (MySQL has no bound on a transaction left idle without leaking a session
-/// setting into the pool): a relay frozen mid-pass (stopped at its hook, as a process stopped
-/// or cut off from the database would be) holds the turn, and the server ends its session once
-/// it has been idle in its transaction for a minute; then another relay takes the turn and
+/// A relay frozen mid-pass (stopped at its hook, as a process stopped or cut off from the
+/// database would be) holds the turn, and the server ends its session once it has been idle in
+/// its transaction for a minute (PostgreSQL's `idle_in_transaction_session_timeout`, MariaDB's
+/// `idle_transaction_timeout`, set for the pass); then another relay takes the turn and
 /// publishes the frozen relay's rows again, which the stream drops as duplicates.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_frozen_relay_lets_the_turn_go_on_postgres() {
-    type B = crate::backends::Postgres;
+async fn a_frozen_relay_lets_the_turn_go<B: TestBackend>() {
     let Relaying {
         db: _db,
         outbox,
@@ -194,4 +192,41 @@ async fn a_frozen_relay_lets_the_turn_go_on_postgres() {
     assert_eq!(republished, 3);
     assert_eq!(events.count().await, 3);
     frozen.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_relay_lets_the_turn_go_on_postgres() {
+    a_frozen_relay_lets_the_turn_go::<crate::backends::Postgres>().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_relay_lets_the_turn_go_on_mysql() {
+    a_frozen_relay_lets_the_turn_go::<crate::backends::MySql>().await;
+}
+
+/// MariaDB's bound on an idle transaction is the pass's alone: the pass gives the session its
+/// setting back, so that a connection of the application's pool does not have its own idle
+/// transactions ended after a minute. The pool has one connection, the relay's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_pass_gives_the_session_its_idle_bound_back_on_mysql() {
+    type B = crate::backends::MySql;
+    let db = B::create(1).await;
+    let outbox = outbox(db.pool.clone()).await;
+    let nats = NatsStream::create().await;
+    let events = Events::create(&nats.js).await;
+    let rows = (0..3).map(|n| OutboxMessage::new(&*events.subject, format!("{n}")));
+    commit(&outbox, rows).await;
+    let relayed = Relay::new(outbox.clone()).drain(&nats.js).await.unwrap();
+    assert_eq!(relayed.published, 3, "{relayed:?}");
+    let (session, global): (i64, i64) = sqlx::query_as(
+        "SELECT CAST(@@SESSION.idle_transaction_timeout AS SIGNED), \
+         CAST(@@GLOBAL.idle_transaction_timeout AS SIGNED)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        session, global,
+        "the pass's setting was left on the connection"
+    );
 }
