@@ -48,13 +48,16 @@ pub struct Letter {
     pub error: String,
     /// Its group (`inbox dlq groups`).
     pub group: String,
-    /// Header lines of the letter that no client reads as headers (a letter published by
-    /// another client): left out of what is shown and of a replay.
+    /// Header lines of the letter async-nats cannot read (a letter published by another
+    /// client): left out of what is shown and of a replay.
     pub unreadable_headers: usize,
     #[serde(skip)]
     headers: HeaderMap,
     #[serde(skip)]
     payload: Bytes,
+    /// The names of those lines, as stored (up to the first colon).
+    #[serde(skip)]
+    unreadable_names: Vec<Bytes>,
 }
 
 /// Letters of one error kind.
@@ -103,7 +106,7 @@ fn kind_of(error: &str) -> String {
 
 fn group_id(kind: &str) -> String {
     let digest = Sha256::digest(kind.as_bytes());
-    digest[..4].iter().map(|b| format!("{b:02x}")).collect()
+    hex::encode(&digest[..4])
 }
 
 impl Letters {
@@ -173,6 +176,13 @@ impl Letters {
                     .format(&time::format_description::well_known::Rfc3339)
                     .unwrap_or_default(),
                 unreadable_headers: unreadable.len(),
+                unreadable_names: unreadable
+                    .iter()
+                    .map(|line| {
+                        let name = line.split(|&b| b == b':').next().unwrap_or_default();
+                        line.slice_ref(name)
+                    })
+                    .collect(),
                 consumer: header(&headers, "Inbox-Consumer").unwrap_or_else(|| {
                     message
                         .subject
@@ -327,6 +337,17 @@ impl Letters {
     /// own, so that a replay published twice (a crash before its letter was deleted) is stored
     /// once within the stream's duplicate window, and applied once after it.
     async fn replayed_message(&self, letter: &Letter) -> Result<(String, HeaderMap, Bytes), Error> {
+        // A line of ours (`Inbox-*`) or JetStream's (`Nats-*`) that cannot be read would be
+        // replayed as if absent: a cut letter taken for whole, another key than the original's.
+        if let Some(name) = letter.unreadable_names.iter().find(|name| {
+            let lower = name.to_ascii_lowercase();
+            lower.starts_with(b"inbox-") || lower.starts_with(b"nats-")
+        }) {
+            return Err(format!(
+                "its header {:?} cannot be read (bytes async-nats refuses): replay it by hand",
+                String::from_utf8_lossy(name)
+            ));
+        }
         let truncated = letter.headers.get("Inbox-Truncated").is_some();
         let original = match (
             truncated || letter.subject.is_none(),
@@ -513,7 +534,7 @@ pub fn list_text(letters: &[Letter]) -> String {
         if l.unreadable_headers > 0 {
             out.pop();
             out += &format!(
-                " ({} header lines no client reads; left out)\n",
+                " (header lines async-nats cannot read, left out: {})\n",
                 l.unreadable_headers
             );
         }

@@ -541,7 +541,7 @@ async fn the_other_commands_do_what_they_say<B: TestBackend>() {
     assert_eq!(letters[0]["unreadable_headers"], 0, "{letters:?}");
     let text = ok(inbox(&db, &nats, &["dlq", "list"]));
     assert!(
-        text.contains("handler failed: raw (1 header lines no client reads; left out)"),
+        text.contains("handler failed: raw (header lines async-nats cannot read, left out: 1)"),
         "{text}"
     );
 }
@@ -614,6 +614,24 @@ async fn a_cut_letter_is_replayed_from_an_original_no_client_parses<B: TestBacke
             .is_empty(),
         "the replayed letter is deleted"
     );
+
+    // A letter whose line of ours cannot be read (here `Inbox-Truncated`) would be replayed
+    // as if it were absent: refused, and kept.
+    let unreadable = [
+        b"Inbox-Error: handler failed: cut".to_vec(),
+        b"Inbox-Consumer: ledger".to_vec(),
+        format!("Inbox-Subject: {}", nats.subject).into_bytes(),
+        b"Inbox-Truncated: \xff".to_vec(),
+    ];
+    inbox_testkit::publish_raw_acked(nats.url(), &subject, &unreadable, b"")
+        .await
+        .expect("the letter is stored");
+    fails(
+        inbox(&db, &nats, &["dlq", "replay", "--all"]),
+        "\"Inbox-Truncated\" cannot be read",
+    );
+    let kept = json(inbox(&db, &nats, &["dlq", "list", "--json"]));
+    assert_eq!(kept.as_array().unwrap().len(), 1, "{kept}");
 }
 
 inbox_tests::on_all_backends!(

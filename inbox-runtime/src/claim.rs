@@ -42,7 +42,8 @@ pub struct Claim<DB: InboxBackend> {
     attempt: i64,
     pool: Pool<DB>,
     begin: SqlStr,
-    /// Whether the transaction's session is killed if the try is cut (MySQL).
+    /// What the inbox learned of its server: whether the transaction's session is killed if
+    /// the try is cut (MySQL).
     facts: Arc<ServerFacts>,
     tx: Option<ArmedTx<DB>>,
 }

@@ -16,7 +16,7 @@
 //! # async fn letters(js: async_nats::jetstream::Context) -> Result<(), async_nats::Error> {
 //! use inbox_runtime::stored::{Lookup, read};
 //! let mut seq = 1;
-//! while let Some(message) = read(&js, "INBOX_DLQ", Lookup::NextBySubject(seq, "dlq.>")).await? {
+//! while let Some(message) = read(&js, "INBOX_DLQ", Lookup::NextBySubject(seq, "inbox.dlq.>")).await? {
 //!     let headers = message.headers();
 //!     println!("{} {} ({} lines unreadable)", message.sequence, message.subject,
 //!         headers.unreadable.len());

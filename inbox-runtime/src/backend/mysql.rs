@@ -486,6 +486,7 @@ mod tests {
             "5.5.5-10.3.39-MariaDB",
             "5.7.44",
             "8.0.0-dmr",
+            "5.5.5-log",
         ] {
             let why = MySql::relay_unsupported(old);
             assert!(

@@ -1,9 +1,9 @@
 //! Batched commits: several messages in one transaction, one COMMIT (one fsync) for all.
 //!
 //! A batch is first tried lean: BEGIN, the claims of all its keys (in key order; one statement
-//! on PostgreSQL, SQLite and MariaDB, which tell new rows from duplicates by what `RETURNING`
-//! returns, a statement per key on MySQL), each new message's handler, then one UPDATE setting
-//! `processed_at` on every marker it claimed, COMMIT. If any
+//! on PostgreSQL, SQLite and MariaDB 10.5+, which tell new rows from duplicates by what
+//! `RETURNING` returns, a statement per key on MySQL and older MariaDB), each new message's
+//! handler, then one UPDATE setting `processed_at` on every marker it claimed, COMMIT. If any
 //! message fails there, the whole transaction is rolled back and the batch is tried again with a
 //! SAVEPOINT per message (`process_in` inside a nested transaction): a failing message is rolled
 //! back to its savepoint and left out, to be handled alone by the caller (its retries, nak or

@@ -59,7 +59,8 @@ pub struct Inbox<DB: InboxBackend> {
     /// Duplicates found with another payload than their key's first, by this inbox and its
     /// clones.
     pub(crate) key_reuses: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// Whether a try cut at its deadline has its session killed (see `Inbox::try_connection`).
+    /// What its tries learned of the server: whether a try cut at its deadline has its session
+    /// killed (see `Inbox::try_connection`), and which server it is (`backend::Server`).
     facts: std::sync::Arc<ServerFacts>,
     /// Connections the tries keep between messages (a worker's inbox only; see `kept.rs`).
     kept: Option<std::sync::Arc<kept::Kept<DB>>>,

@@ -1,5 +1,5 @@
-//! MySQL's claims: a marker's `INSERT .. ON DUPLICATE KEY UPDATE`, and on MariaDB a batch's
-//! markers in one such statement, whose `RETURNING` tells the new ones.
+//! MySQL's claims: a marker's `INSERT .. ON DUPLICATE KEY UPDATE`, and on MariaDB 10.5+ a
+//! batch's markers in one such statement, whose `RETURNING` tells the new ones.
 
 use super::super::dialect::claim_each;
 use super::super::{Claimed, Server, TableName};

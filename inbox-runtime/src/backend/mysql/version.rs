@@ -12,16 +12,18 @@ pub(super) struct Version {
 }
 
 impl Version {
-    /// Reads `version`. MariaDB may say "5.5.5-" first (a prefix for old replication clients).
+    /// Reads `version`. MariaDB may say "5.5.5-" first (a prefix for old replication clients);
+    /// a MySQL 5.5.5 says it as its own number.
     pub(super) fn parse(version: &str) -> Self {
-        let number = version.strip_prefix("5.5.5-").unwrap_or(version);
+        let mariadb = version.to_ascii_lowercase().contains("mariadb");
+        let number = match mariadb {
+            true => version.strip_prefix("5.5.5-").unwrap_or(version),
+            false => version,
+        };
         let mut parts = number.split(|c: char| !c.is_ascii_digit());
         let mut next = || parts.next().and_then(|p| p.parse::<u32>().ok());
         let number = next().map(|major| (major, next().unwrap_or(0), next().unwrap_or(0)));
-        Version {
-            mariadb: version.to_ascii_lowercase().contains("mariadb"),
-            number,
-        }
+        Version { mariadb, number }
     }
 
     /// Whether the server is `needed` or later; `false` where its number cannot be read.
@@ -62,6 +64,7 @@ mod tests {
             ("MariaDB", Server::MariaDb { returning: false }),
             ("8.0.36", Server::MySql),
             ("9.1.0", Server::MySql),
+            ("5.5.5-log", Server::MySql),
         ] {
             assert_eq!(Version::parse(version).server(), server, "{version}");
         }
