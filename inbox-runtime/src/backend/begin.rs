@@ -52,12 +52,10 @@ pub(crate) struct Beginning<DB: Backend> {
 /// What the tries of one worker's inbox know of their server: whether a try cut at its deadline
 /// must have its session killed, and which server it is where a backend's statements differ
 /// (MariaDB's from MySQL's). Not known until a backend that needs it (MySQL's) has asked its
-/// server, at the first try. Shared by the tries of one worker's inbox.
+/// server, at the first try. Shared by the tries of one worker's inbox. One value for both, so
+/// that no try reads one fact without the other: on MySQL the cut follows from the server.
 #[derive(Debug, Default)]
-pub struct ServerFacts {
-    cut: AtomicU8,
-    server: AtomicU8,
-}
+pub struct ServerFacts(AtomicU8);
 
 /// Whether a try cut at its deadline ends its statements ([`ServerFacts`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,7 +76,8 @@ pub enum Cut {
 pub enum Server {
     /// Not asked (or nothing to tell): statements every server of the backend takes.
     Unknown,
-    /// Oracle MySQL.
+    /// Oracle MySQL (or a server whose tries are forced to be killed, `kill_cut_sessions`:
+    /// treated as MySQL).
     MySql,
     /// MariaDB; `returning`: 10.5 or later, with `INSERT .. RETURNING`.
     MariaDb {
@@ -87,51 +86,54 @@ pub enum Server {
     },
 }
 
+/// The values of [`ServerFacts`]: before the server answered, then what it answered.
+const NO_DEADLINE: u8 = 0;
+const UNKNOWN: u8 = 1;
+const MYSQL: u8 = 2;
+const MARIADB: u8 = 3;
+const MARIADB_RETURNING: u8 = 4;
+
 impl ServerFacts {
     /// Tries that a deadline cuts, on a server not asked yet.
     pub(crate) fn deadline() -> Self {
-        ServerFacts {
-            cut: AtomicU8::new(Cut::Unknown as u8),
-            server: AtomicU8::new(0),
-        }
+        ServerFacts(AtomicU8::new(UNKNOWN))
     }
 
-    /// Whether a cut try ends its statements, as far as known.
+    /// Whether a cut try ends its statements, as far as known: MariaDB bounds every statement,
+    /// MySQL's sessions are killed.
     pub(crate) fn cut(&self) -> Cut {
-        match self.cut.load(Ordering::Relaxed) {
-            0 => Cut::NoDeadline,
-            1 => Cut::Unknown,
-            2 => Cut::Bounded,
-            _ => Cut::Kill,
+        match self.0.load(Ordering::Relaxed) {
+            NO_DEADLINE => Cut::NoDeadline,
+            UNKNOWN => Cut::Unknown,
+            MYSQL => Cut::Kill,
+            _ => Cut::Bounded,
         }
     }
 
     /// Which server it is, as far as known.
     pub(crate) fn server(&self) -> Server {
-        match self.server.load(Ordering::Relaxed) {
-            0 => Server::Unknown,
-            1 => Server::MySql,
-            2 => Server::MariaDb { returning: false },
+        match self.0.load(Ordering::Relaxed) {
+            NO_DEADLINE | UNKNOWN => Server::Unknown,
+            MYSQL => Server::MySql,
+            MARIADB => Server::MariaDb { returning: false },
             _ => Server::MariaDb { returning: true },
         }
     }
 
-    /// Records what the server answered (or, `server` left alone, what a test forces).
+    /// Records the server's answer (or what a test forces: `Server::MySql`, its sessions
+    /// killed).
     #[cfg_attr(
         not(any(feature = "mysql", feature = "test-util")),
         allow(dead_code, reason = "only MySQL's server and tests tell")
     )]
-    pub(crate) fn set(&self, cut: Cut, server: Option<Server>) {
-        if let Some(server) = server {
-            let code = match server {
-                Server::Unknown => 0,
-                Server::MySql => 1,
-                Server::MariaDb { returning: false } => 2,
-                Server::MariaDb { returning: true } => 3,
-            };
-            self.server.store(code, Ordering::Relaxed);
-        }
-        self.cut.store(cut as u8, Ordering::Relaxed);
+    pub(crate) fn set(&self, server: Server) {
+        let value = match server {
+            Server::Unknown => UNKNOWN,
+            Server::MySql => MYSQL,
+            Server::MariaDb { returning: false } => MARIADB,
+            Server::MariaDb { returning: true } => MARIADB_RETURNING,
+        };
+        self.0.store(value, Ordering::Relaxed);
     }
 }
 

@@ -45,19 +45,7 @@ impl Backend for MySql {
     ));
 
     fn relay_unsupported(version: &str) -> Option<String> {
-        // SKIP LOCKED came with MariaDB 10.6 and MySQL 8.0.1.
-        let read = Version::parse(version);
-        let (name, needed) = match read.mariadb {
-            true => ("MariaDB", (10, 6, 0)),
-            false => ("MySQL", (8, 0, 1)),
-        };
-        (read.number.is_some() && !read.at_least(needed)).then(|| {
-            format!(
-                "the outbox relay locks rows FOR UPDATE SKIP LOCKED, which {name} has from \
-                 {}.{}.{} on; this server is {version}",
-                needed.0, needed.1, needed.2
-            )
-        })
+        version::relay_unsupported(version)
     }
 
     fn secs_from_now_sql(param: &str) -> String {
@@ -284,13 +272,10 @@ impl Backend for MySql {
                     sqlx::query_as("SELECT CAST(CONNECTION_ID() AS SIGNED), VERSION()")
                         .fetch_one(conn)
                         .await?;
-                let server = Version::parse(&version).server();
-                if let Server::MariaDb { .. } = server {
-                    facts.set(Cut::Bounded, Some(server));
-                    Ok(None)
-                } else {
-                    facts.set(Cut::Kill, Some(server));
-                    Ok(Some(id as u64))
+                facts.set(Version::parse(&version).server());
+                match facts.cut() {
+                    Cut::Kill => Ok(Some(id as u64)),
+                    _ => Ok(None),
                 }
             }
         }
@@ -472,37 +457,5 @@ impl Backend for MySql {
             .execute(conn)
             .await
             .map(|_| ())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn servers_without_skip_locked_are_named() {
-        for old in [
-            "10.5.23-MariaDB-0+deb11u1",
-            "5.5.5-10.3.39-MariaDB",
-            "5.7.44",
-            "8.0.0-dmr",
-            "5.5.5-log",
-        ] {
-            let why = MySql::relay_unsupported(old);
-            assert!(
-                why.as_deref().is_some_and(|w| w.contains(old)),
-                "{old}: {why:?}"
-            );
-        }
-        for new in [
-            "10.11.19-MariaDB-0+deb12u1",
-            "10.6.0-MariaDB",
-            "5.5.5-10.11.2-MariaDB",
-            "8.0.36",
-            "9.1.0",
-            "11.4.2-MariaDB",
-        ] {
-            assert_eq!(MySql::relay_unsupported(new), None, "{new}");
-        }
     }
 }

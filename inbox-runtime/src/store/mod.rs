@@ -170,7 +170,7 @@ impl<DB: InboxBackend> Inbox<DB> {
     #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn kill_cut_sessions(mut self) -> Self {
         let facts = ServerFacts::deadline();
-        facts.set(Cut::Kill, None);
+        facts.set(crate::backend::Server::MySql);
         self.facts = std::sync::Arc::new(facts);
         self
     }

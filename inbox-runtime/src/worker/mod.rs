@@ -20,6 +20,7 @@ mod check;
 mod circuit;
 mod dead_letter;
 mod error;
+mod keep_letter;
 mod letter_fit;
 mod letter_text;
 mod max_deliver;

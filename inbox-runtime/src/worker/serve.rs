@@ -3,7 +3,7 @@
 //! progress acks while a handler runs long, then carry out the verdict: ack, nak with a delay, or
 //! dead-letter and term. Nothing here decides; `verdict.rs` does.
 
-use super::dead_letter::{DeadLetter, header_pairs, letter_headers};
+use super::dead_letter::DeadLetter;
 use super::requests::Held;
 use super::transport_id::{StreamCreated, key_of};
 use super::verdict::{Verdict, retry_in_process, verdict};
@@ -208,54 +208,6 @@ where
         };
         counter.fetch_add(1, Ordering::Relaxed);
         tracing::debug!("answered");
-    }
-
-    /// Stores the letter of a message on its last delivery, where a nak would never be
-    /// redelivered: in the dead-letter stream, else parked in the database (published later by
-    /// the worker), trying both with a growing wait until one holds it. Only a shutdown ends
-    /// the wait without it, and then the whole letter is logged, the last trace there can be.
-    async fn keep_letter(
-        &self,
-        message: &Message,
-        letter: &DeadLetter<'_>,
-        shutdown: &CancellationToken,
-    ) -> Result<(), ()> {
-        let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(10));
-        loop {
-            let published = match self.dead_letters.publish(message, letter).await {
-                Ok(()) => return Ok(()),
-                Err(e) => e,
-            };
-            let headers = header_pairs(&letter_headers(message.headers.as_ref(), letter));
-            let parked = self
-                .inbox
-                .park_letter(H::CONSUMER, &headers, &message.payload)
-                .await;
-            match parked {
-                Ok(()) => {
-                    tracing::error!(publish_error = %published, "dead letter refused by the stream on the last delivery; kept in the database until the stream takes it");
-                    return Ok(());
-                }
-                Err(db) => {
-                    let wait = backoff.next();
-                    tracing::error!(publish_error = %published, database_error = %db, retry_in = ?wait, "dead letter neither published nor kept on the last delivery; trying again");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => {
-                            // Where it is, not what it holds: a payload (and its headers) may carry
-                            // personal data or secrets that have no place in a log.
-                            tracing::error!(
-                                stream = letter.stream,
-                                stream_seq = letter.stream_seq,
-                                payload_bytes = message.payload.len(),
-                                "shutting down with a dead letter nowhere to store: the message stays in its stream (read it by sequence), unacknowledged, and is not redelivered"
-                            );
-                            return Err(());
-                        }
-                        _ = tokio::time::sleep(wait) => {}
-                    }
-                }
-            }
-        }
     }
 
     /// [`Self::process`], tried again in process with a fresh transaction while

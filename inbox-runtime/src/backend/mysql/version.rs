@@ -43,6 +43,24 @@ impl Version {
     }
 }
 
+/// Why this server cannot run the outbox relay (`Backend::relay_unsupported`): the relay locks
+/// rows `FOR UPDATE SKIP LOCKED`, which came with MariaDB 10.6 and MySQL 8.0.1. `None` where it
+/// can, or where the version's number cannot be read.
+pub(super) fn relay_unsupported(version: &str) -> Option<String> {
+    let read = Version::parse(version);
+    let (name, needed) = match read.mariadb {
+        true => ("MariaDB", (10, 6, 0)),
+        false => ("MySQL", (8, 0, 1)),
+    };
+    (read.number.is_some() && !read.at_least(needed)).then(|| {
+        format!(
+            "the outbox relay locks rows FOR UPDATE SKIP LOCKED, which {name} has from \
+             {}.{}.{} on; this server is {version}",
+            needed.0, needed.1, needed.2
+        )
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -67,6 +85,33 @@ mod tests {
             ("5.5.5-log", Server::MySql),
         ] {
             assert_eq!(Version::parse(version).server(), server, "{version}");
+        }
+    }
+
+    #[test]
+    fn servers_without_skip_locked_are_named() {
+        for old in [
+            "10.5.23-MariaDB-0+deb11u1",
+            "5.5.5-10.3.39-MariaDB",
+            "5.7.44",
+            "8.0.0-dmr",
+            "5.5.5-log",
+        ] {
+            let why = relay_unsupported(old);
+            assert!(
+                why.as_deref().is_some_and(|w| w.contains(old)),
+                "{old}: {why:?}"
+            );
+        }
+        for new in [
+            "10.11.19-MariaDB-0+deb12u1",
+            "10.6.0-MariaDB",
+            "5.5.5-10.11.2-MariaDB",
+            "8.0.36",
+            "9.1.0",
+            "11.4.2-MariaDB",
+        ] {
+            assert_eq!(relay_unsupported(new), None, "{new}");
         }
     }
 }
