@@ -228,6 +228,10 @@ pub struct BenchArgs {
     /// Consumer processes on the one durable consumer (comma-separated counts).
     #[arg(long, value_delimiter = ',', default_value = "1,3", value_parser = clap::value_parser!(u64).range(1..=8))]
     pub processes: Vec<u64>,
+    /// Microseconds each way between every contender and the database server, by a
+    /// forwarder of the bench's own (a database across a network; not SQLite). 0: none.
+    #[arg(long, default_value_t = 0)]
+    pub db_latency_us: u64,
     /// Also write the results to docs/bench/.
     #[arg(long)]
     pub save: bool,
@@ -260,6 +264,7 @@ impl From<&BenchArgs> for bench::Options {
             },
             workloads: args.workloads.clone(),
             processes: args.processes.iter().map(|&p| p as usize).collect(),
+            db_latency: std::time::Duration::from_micros(args.db_latency_us),
             save: args.save,
         }
     }

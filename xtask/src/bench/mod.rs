@@ -26,10 +26,14 @@
 //! consumer's ack subjects), and is checked: every message's credit applied exactly once. Runs
 //! alternate between contenders, round after round; the report takes each figure's median.
 //!
+//! `--db-latency-us` puts a delay each way between every contender and the database server
+//! (`latency.rs`), as a network would.
+//!
 //! Results go to `target/bench/results.json`, `results.md` and `chart.svg`; `--save` copies
 //! them to `docs/bench/`, which the README shows.
 
 mod chart;
+mod latency;
 mod measure;
 mod options;
 mod results;
@@ -112,6 +116,7 @@ pub async fn run(options: Options) -> Result<(), String> {
         "workloads": options.workloads.iter().map(|w| json!({"name": w.name(), "accounts": w.accounts()})).collect::<Vec<_>>(),
         "processes": options.processes,
         "latency": { "messages": options.latency_messages, "rate_per_s": options.rate },
+        "db_latency_us": options.db_latency.as_micros() as u64,
         "backends": report,
     });
     let table = table(&results);

@@ -28,6 +28,9 @@ pub struct Options {
     /// How many consumer processes share the durable consumer (the loop runs at that many
     /// times the concurrency instead).
     pub processes: Vec<usize>,
+    /// The delay each way between every contender and the database server (`latency.rs`);
+    /// zero: none.
+    pub db_latency: std::time::Duration,
     /// Whether the results are also written to `docs/bench/`.
     pub save: bool,
 }

@@ -134,12 +134,18 @@ pub fn table(results: &Value) -> String {
     };
     for b in results["backends"].as_array().into_iter().flatten() {
         out += &format!(
-            "\n**{}** ({} messages per run, concurrency {} per process, batches of {}, median of {} rounds)\n\n",
+            "\n**{}** ({} messages per run, concurrency {} per process, batches of {}, median of {} rounds{})\n\n",
             b["backend"].as_str().unwrap_or(""),
             results["messages"],
             b["concurrency"],
             results["batch"],
-            results["rounds"]
+            results["rounds"],
+            match results["db_latency_us"].as_u64() {
+                Some(us) if us > 0 && b["backend"] != "sqlite" => {
+                    format!(", {us} µs each way to the database")
+                }
+                _ => String::new(),
+            }
         );
         out += "| workload | processes | contender | msgs/s | x loop | x hand-written | p50 ms | p99 ms | consumer CPU us/msg | nats-server CPU us/msg | database CPU us/msg | peak RSS MiB | deadlocks | conflicts / retries |\n";
         out += "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n";

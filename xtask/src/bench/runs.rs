@@ -1,6 +1,7 @@
 //! The contenders' runs: building them, running each on a fresh database (the loop alone, the
 //! consumers on a backlog and then paced messages), and checking every credit applied once.
 
+use super::latency::through;
 use super::measure::{Run, Usage, percentiles, server_cpu, usage};
 use super::options::{Contender, Options, Workload};
 use async_nats::jetstream::{self, consumer::pull, stream};
@@ -90,7 +91,7 @@ pub async fn loop_run(
     let result = async {
         let mut child = Command::new(&binaries.baseline)
             .arg("loop")
-            .env("DATABASE_URL", &db.url)
+            .env("DATABASE_URL", through(&db.url, options.db_latency)?)
             .env(
                 "BENCH_CONCURRENCY",
                 (options.concurrency * shape.processes).to_string(),
@@ -500,7 +501,7 @@ fn spawn_contender(
     let url = match backend {
         // `credit` creates the file; the baseline's pool may too.
         Backend::Sqlite => format!("{}?mode=rwc", db.url),
-        _ => db.url.clone(),
+        _ => through(&db.url, options.db_latency)?,
     };
     command
         .env("DATABASE_URL", url)
