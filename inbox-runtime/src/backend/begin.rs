@@ -20,7 +20,7 @@
 
 use super::{Backend, Begin};
 use sqlx::pool::PoolConnection;
-use sqlx::{Pool, SqlStr, Transaction};
+use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
@@ -199,14 +199,36 @@ impl<DB: Backend> Beginning<DB> {
         &mut self,
         begin: &Begin,
     ) -> Result<Transaction<'_, DB>, sqlx::Error> {
-        let sql = match (std::mem::take(&mut self.kept), &begin.again) {
-            (true, Some(again)) => again.clone(),
-            _ => begin.sql.clone(),
-        };
+        let sql = self.begin_sql(begin).clone();
         let Beginning {
             conn, unanswered, ..
         } = self;
         Self::begin_on(conn, unanswered, Some(sql)).await
+    }
+
+    /// [`Beginning::begin_with`], with `then` (statements of the dialect's,
+    /// `Backend::claim_in_begin_sql`) sent after the BEGIN in its round trip. An error may
+    /// come from `then`, after the BEGIN began a transaction that sqlx does not count: the
+    /// caller ends it.
+    pub(crate) async fn begin_then(
+        &mut self,
+        begin: &Begin,
+        then: &str,
+    ) -> Result<Transaction<'_, DB>, sqlx::Error> {
+        let sql = format!("{}; {then}", self.begin_sql(begin).as_str());
+        let Beginning {
+            conn, unanswered, ..
+        } = self;
+        Self::begin_on(conn, unanswered, Some(AssertSqlSafe(sql).into_sql_str())).await
+    }
+
+    /// `begin`'s statement for this connection: the shorter on a [kept](Beginning::kept) one,
+    /// the first time.
+    fn begin_sql<'b>(&mut self, begin: &'b Begin) -> &'b SqlStr {
+        match (std::mem::take(&mut self.kept), &begin.again) {
+            (true, Some(again)) => again,
+            _ => &begin.sql,
+        }
     }
 
     /// Begins a transaction on the connection, as `sqlx::Connection::begin`.

@@ -3,9 +3,10 @@
 //! added in this crate, where the conformance suite runs it (see CONTRIBUTING.md).
 
 use super::begin::{Server, ServerFacts};
+use super::held_sql::insert_if_marked_select;
 use super::{Generic, GenericOutbox, TableName};
 use crate::layout::{Layout, Partitions};
-use sqlx::{AssertSqlSafe, Pool, SqlSafeStr, SqlStr, Transaction};
+use sqlx::{Pool, SqlStr, Transaction};
 use std::future::Future;
 use std::time::Duration;
 
@@ -235,6 +236,37 @@ pub trait Backend: sqlx::Database + Generic + GenericOutbox {
         async move { Ok(row.await?.map_or(Claimed::Duplicate, Claimed::New)) }
     }
 
+    /// The marker's insert for `consumer`'s `key`, finished as [`Backend::claim_finished_sql`]
+    /// inserts it, as statements sent after a message's BEGIN in the same round trip, where
+    /// `server` takes them: the BEGIN claims the message. A duplicate fails that BEGIN
+    /// ([`Backend::is_duplicate_claim`]) and leaves the server inside the transaction it began,
+    /// which the caller ends; a new marker's id stays on the session, for
+    /// [`Backend::begun_marker_sql`]. `None` (the default): the BEGIN, then the claim.
+    fn claim_in_begin_sql(
+        table: &TableName,
+        server: Server,
+        consumer: &str,
+        key: &str,
+        hash: Option<&str>,
+    ) -> Option<String> {
+        let _ = (table, server, consumer, key, hash);
+        None
+    }
+
+    /// Binds consumer, key: the id of the marker the transaction's BEGIN inserted
+    /// ([`Backend::claim_in_begin_sql`]), while the transaction holds it.
+    fn begun_marker_sql(table: &TableName) -> Option<SqlStr> {
+        let _ = table;
+        None
+    }
+
+    /// Whether `err`, of a BEGIN that claims ([`Backend::claim_in_begin_sql`]), says the key
+    /// has its marker already: a duplicate.
+    fn is_duplicate_claim(err: &dyn sqlx::error::DatabaseError) -> bool {
+        let _ = err;
+        false
+    }
+
     /// Claims every key of a batch (in the order given) in `tx`: per key, what
     /// [`Backend::claim`] would answer, a later copy of a key the batch claimed being a
     /// duplicate. By default a claim statement per key; a dialect that can tell new rows from
@@ -459,42 +491,4 @@ pub(crate) async fn claim_each<DB: Backend>(
         claims.push(DB::claim(tx, claim.clone(), consumer, key).await?);
     }
     Ok(claims)
-}
-
-/// [`Backend::insert_if_marked_sql`] as one `INSERT .. SELECT` (an arm per row, each reading
-/// the marker's row).
-pub(crate) fn insert_if_marked_select<DB: Backend>(
-    outbox: &TableName,
-    inbox: &TableName,
-    n: usize,
-) -> SqlStr {
-    let cols = "msg_id, subject, order_key, headers, payload";
-    let arm = |i: usize, named: bool| {
-        let p = |k: usize| DB::param(i * 8 + k);
-        let (msg_id, subject, order_key, headers, payload) = (p(1), p(2), p(3), p(4), p(5));
-        let values = match named {
-            true => format!(
-                "{i} AS n, {msg_id} AS msg_id, {subject} AS subject, {order_key} AS \
-                 order_key, {headers} AS headers, {payload} AS payload"
-            ),
-            false => format!("{msg_id}, {subject}, {order_key}, {headers}, {payload}"),
-        };
-        let (id, consumer, key) = (p(6), p(7), p(8));
-        format!(
-            "SELECT {values} FROM {inbox} \
-             WHERE id = {id} AND consumer = {consumer} AND message_key = {key}"
-        )
-    };
-    let sql = match n {
-        1 => format!("INSERT INTO {outbox} ({cols}) {}", arm(0, false)),
-        // Ordered, so that the ids follow the order the rows were written in.
-        _ => format!(
-            "INSERT INTO {outbox} ({cols}) SELECT {cols} FROM ({}) AS held ORDER BY n",
-            (0..n)
-                .map(|i| arm(i, true))
-                .collect::<Vec<_>>()
-                .join(" UNION ALL ")
-        ),
-    };
-    AssertSqlSafe(sql).into_sql_str()
 }

@@ -5,15 +5,17 @@
 //!
 //! One concept per file: `begin` (a connection a BEGIN cut mid-flight cannot leave in a
 //! transaction), `dialect` (the sealed per-database trait), `executor` (the statements
-//! every dialect runs alike), `rows` (what they read and write), `statements` (one inbox table's
-//! SQL), `table` (its checked name), `migrate` (migrations, safe when instances race), `fleet`
-//! (the cleanup lock and batched deletes), `transient` (which errors a fresh transaction may
-//! cure); then one file per dialect (PostgreSQL's partitioned layout in `postgres/`).
+//! every dialect runs alike), `held_sql` (the held outbox rows' insert), `rows` (what they
+//! read and write), `statements` (one inbox table's SQL), `table` (its checked name), `migrate`
+//! (migrations, safe when instances race), `fleet` (the cleanup lock and batched deletes),
+//! `transient` (which errors a fresh transaction may cure); then one file per dialect
+//! (PostgreSQL's partitioned layout in `postgres/`).
 
 mod begin;
 mod dialect;
 mod executor;
 pub(crate) mod fleet;
+mod held_sql;
 pub(crate) mod migrate;
 mod rows;
 mod statements;

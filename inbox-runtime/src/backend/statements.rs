@@ -26,6 +26,9 @@ pub(crate) struct InboxStatements {
     /// transaction it runs in (after the handler, whether that transaction still holds it:
     /// see `Inbox::finish`).
     pub done: SqlStr,
+    /// Binds consumer, key: the id of the marker the transaction's BEGIN inserted; see
+    /// `Backend::begun_marker_sql`.
+    pub begun: Option<SqlStr>,
     /// See `Backend::begin_sql`.
     pub begin: Begin,
     /// BEGIN for a batch of a handler without lanes, whose lock waits may be a deadlock's:
@@ -221,6 +224,7 @@ impl InboxStatements {
             inbox_probe: sql(DB::inbox_probe_sql(table)),
             claim: DB::claim_sql(table, layout),
             claim_finished: DB::claim_finished_sql(table, layout),
+            begun: DB::begun_marker_sql(table),
             // The statement's own time (PostgreSQL: not now(), when the transaction began).
             finish: sql(format!(
                 "UPDATE {table} SET processed_at = {}, payload_hash = {} WHERE id = {}",

@@ -14,6 +14,7 @@
 //! it may roll back) is inserted at once, as outside a worker.
 
 use crate::backend::{InboxBackend, NewOutboxRow, Server, TableName};
+use sqlx::SqlStr;
 use std::cell::RefCell;
 use std::future::Future;
 
@@ -143,12 +144,14 @@ fn chunk_len(rows: &[HeldRow]) -> usize {
 /// own, after its transaction ended, from the transaction the store began; so it stands for
 /// one row (as it has since it came in), and for several only where the markers are `rechecked`
 /// after the rows in the same transaction (a batch's finish, which rolls back whatever
-/// transaction the session is in when a marker is gone).
+/// transaction the session is in when a marker is gone). A marker the transaction's BEGIN
+/// inserted has no `id` here: `begun` reads it when the marker's statement needs it.
 pub(crate) async fn insert_if_marked<DB: InboxBackend>(
     conn: &mut DB::Connection,
     inbox: &TableName,
     rows: &[HeldRow],
-    (id, consumer, key): (i64, &str, &str),
+    (mut id, consumer, key): (Option<i64>, &str, &str),
+    begun: Option<&SqlStr>,
     server: Server,
     rechecked: bool,
 ) -> Result<bool, sqlx::Error> {
@@ -183,7 +186,19 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
                 Err(e) => return Err(e),
             }
         }
-        let done = DB::insert_held(conn, (table, inbox), &chunk, (id, consumer, key)).await;
+        let marker = match (id, begun) {
+            (Some(id), _) => id,
+            (None, Some(begun)) => match DB::fetch_id(conn, begun.clone(), consumer, key).await? {
+                Some(found) => *id.insert(found),
+                // Gone with the transaction that inserted it.
+                None => return Ok(false),
+            },
+            (None, None) => {
+                let what = "a marker with no id, and no statement to read it";
+                return Err(sqlx::Error::Protocol(what.into()));
+            }
+        };
+        let done = DB::insert_held(conn, (table, inbox), &chunk, (marker, consumer, key)).await;
         match done {
             Ok(done) if DB::rows_affected(&done) == same as u64 => {}
             Ok(_) => return Ok(false),

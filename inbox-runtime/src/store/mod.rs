@@ -1,13 +1,15 @@
 //! The inbox store: the table a duplicate is decided in, and everything the runtime does on it.
 //!
 //! One concept per file: this file holds [`Inbox`] and its settings; `process` (one message's
-//! transaction, where a duplicate is decided), `two_phase` (claims with a lease, for side effects
+//! transaction, where a duplicate is decided), `begun` (a message claimed by its BEGIN, where
+//! the dialect sends the claim in the BEGIN's round trip), `two_phase` (claims with a lease, for side effects
 //! outside the database), `batch` (several messages in one transaction), `cleanup` (retention
 //! and the deletion of old markers), `partitions` (the partitioned layout's upkeep),
 //! `dead_letters` (letters parked in the database), `held` (the outbox rows a handler writes,
 //! held until it returns and written with its marker's check).
 
 mod batch;
+mod begun;
 mod cleanup;
 mod dead_letters;
 pub(crate) mod held;

@@ -1,7 +1,8 @@
 //! Where a duplicate is decided: one transaction per message (BEGIN, the claim inserting the
 //! marker finished, the handler's statements, the check that the marker is still there, COMMIT),
 //! and the marker lookup after a COMMIT whose reply was lost. The check is the insert of the
-//! handler's outbox rows, held until it returns (`store/held.rs`), when it wrote any.
+//! handler's outbox rows, held until it returns (`store/held.rs`), when it wrote any. Where the
+//! dialect can (MariaDB, in a worker), the claim goes in the BEGIN's round trip (`begun.rs`).
 
 use super::Inbox;
 use super::held::{self, HeldRow, Holding};
@@ -79,21 +80,41 @@ impl<DB: InboxBackend> Inbox<DB> {
         // for the pool's check, not for the next try.
         let mut rolled_back = true;
         let done = async {
+            // Where the dialect can, the BEGIN claims the key in its round trip.
+            let hash = delivery.payload_hash.as_deref();
+            let server = self.facts.server();
+            let claiming = (self.sql.claim_finished.is_some() && self.sql.begun.is_some())
+                .then(|| DB::claim_in_begin_sql(self.table(), server, H::CONSUMER, key, hash))
+                .flatten();
+            if let Some(claim) = claiming {
+                let source = match conn.begin_then(&self.sql.begin, &claim).await {
+                    Ok(tx) => {
+                        let marker = Marker {
+                            id: None,
+                            consumer: H::CONSUMER,
+                            finished: true,
+                        };
+                        let (tx, handled) = self
+                            .handle(tx, handler, state, message, delivery, marker)
+                            .await;
+                        let (ended, done) = self.end(tx, handled, key, delivery).await;
+                        rolled_back = ended;
+                        return done;
+                    }
+                    Err(source) => source,
+                };
+                let failed = self.claiming_begin_failed::<H>(&mut conn, source, key, delivery);
+                let (ended, outcome) = Box::pin(failed).await;
+                rolled_back = ended;
+                return outcome.map(Ok);
+            }
             let mut tx = conn.begin_with(&self.sql.begin).await.map_err(begin)?;
             let handled = self
                 .claim_and_handle(&mut tx, handler, state, message, delivery, key)
                 .await;
-            match handled {
-                Ok(Some((marker, held))) => {
-                    self.finish_and_commit(tx, marker, held.take(), key, delivery)
-                        .await
-                }
-                other => {
-                    // A duplicate wrote nothing and a failure must leave nothing.
-                    rolled_back = roll_back(tx).await;
-                    other.map(|_| Ok(Outcome::Skip))
-                }
-            }
+            let (ended, done) = self.end(tx, handled, key, delivery).await;
+            rolled_back = ended;
+            done
         }
         .await;
         conn.settle();
@@ -118,6 +139,25 @@ impl<DB: InboxBackend> Inbox<DB> {
             Ok(outcome) => Ok(outcome),
             // Boxed: a cold path, about as large as the rest of the message's future.
             Err(source) => Box::pin(self.after_failed_commit(H::CONSUMER, key, source)).await,
+        }
+    }
+
+    /// Ends `tx` as `handled` says: the marker finished and committed, or rolled back (a
+    /// duplicate wrote nothing and a failure must leave nothing). Also whether a ROLLBACK went
+    /// through.
+    async fn end(
+        &self,
+        tx: Transaction<'_, DB>,
+        handled: Result<Option<(Marker, Holding)>, ProcessError>,
+        key: &str,
+        delivery: &Delivery,
+    ) -> (bool, Result<Result<Outcome, sqlx::Error>, ProcessError>) {
+        match handled {
+            Ok(Some((marker, held))) => {
+                let done = self.finish_and_commit(tx, marker, held.take(), key, delivery);
+                (true, done.await)
+            }
+            other => (roll_back(tx).await, other.map(|_| Ok(Outcome::Skip))),
         }
     }
 
@@ -250,7 +290,7 @@ impl<DB: InboxBackend> Inbox<DB> {
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
         let marker = Marker {
-            id,
+            id: Some(id),
             consumer: H::CONSUMER,
             finished,
         };
@@ -336,8 +376,16 @@ impl<DB: InboxBackend> Inbox<DB> {
                 // Nothing checks the marker after the rows: they go by it (or, one row, by
                 // the server's check of the transaction).
                 let server = self.facts.server();
-                let insert =
-                    held::insert_if_marked::<DB>(conn, self.table(), &held, marked, server, false);
+                let begun = self.sql.begun.as_ref();
+                let insert = held::insert_if_marked::<DB>(
+                    conn,
+                    self.table(),
+                    &held,
+                    marked,
+                    begun,
+                    server,
+                    false,
+                );
                 Some(insert.await.map_err(failed)?)
             }
         };
@@ -348,13 +396,24 @@ impl<DB: InboxBackend> Inbox<DB> {
             // The key's finished marker as this transaction sees it: its own while it holds
             // it; after a rollback, none, or a twin's committed since (another id, unless
             // SQLite gave it the rolled-back row's).
-            (None, true) => {
-                let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
-                done.await.map_err(failed)? != Some(marker.id)
-            }
+            (None, true) => match (marker.id, &self.sql.begun) {
+                (Some(id), _) => {
+                    let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
+                    done.await.map_err(failed)? != Some(id)
+                }
+                // Inserted by the BEGIN: whether the transaction still holds it.
+                (None, Some(begun)) => {
+                    let ours = DB::fetch_id(conn, begun.clone(), marker.consumer, key);
+                    ours.await.map_err(failed)?.is_none()
+                }
+                (None, None) => return Err(failed(unknown_marker())),
+            },
             (_, false) => {
+                let Some(id) = marker.id else {
+                    return Err(failed(unknown_marker()));
+                };
                 let hash = delivery.payload_hash.as_deref();
-                let finish = DB::execute_finish(conn, self.sql.finish.clone(), marker.id, hash);
+                let finish = DB::execute_finish(conn, self.sql.finish.clone(), id, hash);
                 DB::rows_affected(&finish.await.map_err(failed)?) == 0
             }
         };
@@ -367,12 +426,12 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
-/// A marker the message's transaction inserted: its id, its consumer, and whether the claim
-/// inserted it finished (`InboxStatements::claim_finished`) or `Inbox::finish` sets its
-/// `processed_at`.
+/// A marker the message's transaction inserted: its id (`None`: inserted by the BEGIN, read by
+/// `InboxStatements::begun` where needed), its consumer, and whether the claim inserted it
+/// finished (`InboxStatements::claim_finished`) or `Inbox::finish` sets its `processed_at`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Marker {
-    pub id: i64,
+    pub id: Option<i64>,
     pub consumer: &'static str,
     pub finished: bool,
 }
@@ -387,4 +446,9 @@ async fn roll_back<DB: InboxBackend>(tx: Transaction<'_, DB>) -> bool {
             false
         }
     }
+}
+
+/// A marker without an id where the dialect has no statement to read it: never written so.
+fn unknown_marker() -> sqlx::Error {
+    sqlx::Error::Protocol("a marker with no id, and no statement to read it".into())
 }

@@ -53,3 +53,44 @@ async fn committed_but_not_acked_is_skipped_on_redelivery<B: TestBackend>() {
 super::behaviours!(
     partitioned_too;
     committed_but_not_acked_is_skipped_on_redelivery);
+
+/// On MariaDB a worker's BEGIN claims the key in its round trip, and a duplicate fails that
+/// BEGIN after it began a transaction the driver does not count: the transaction is rolled back
+/// before the connection goes on. Every connection of the pool, once the worker stopped, is out
+/// of any transaction (a connection left inside one would run the pool's next user's statements
+/// in it, uncommitted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_leaves_no_transaction_on_its_connection_on_mysql() {
+    type B = crate::backends::MySql;
+    let (db, inbox) = setup::<B>(2).await;
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(1)).await;
+    nats.publish_all([Entry::new("k", 1, 10).json()]).await;
+    let handler = <B as TestBackend>::LedgerByTransportId::default();
+    let first = crate::first_delivery(&consumer).await;
+    let done = process_delivery(&inbox, &handler, &(), &first).await;
+    assert_eq!(done.unwrap(), Outcome::Ack);
+    drop(first);
+    let worker = nats.worker(inbox, consumer).build(handler).unwrap();
+    let run = Running::start(&worker);
+    wait_until(
+        "the redelivery to be skipped",
+        Duration::from_secs(60),
+        || async { worker.stats().skipped == 1 },
+    )
+    .await
+    .unwrap();
+    let stats = run.stop().await;
+    assert_eq!(stats.skipped, 1, "{stats:?}");
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        conns.push(db.pool.acquire().await.expect("a connection of the pool"));
+    }
+    for conn in &mut conns {
+        let open: i64 = sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(open, 0, "a connection was left inside a transaction");
+    }
+}

@@ -23,6 +23,39 @@ pub(super) fn claimed(done: &sqlx::mysql::MySqlQueryResult) -> Result<Claimed, s
     }
 }
 
+/// A message's claim sent in its BEGIN's round trip (`Backend::claim_in_begin_sql`), on
+/// MariaDB (where it was measured; Oracle MySQL keeps the BEGIN and the claim apart): a plain
+/// `INSERT` of the marker, finished, whose duplicate key (1062) fails the BEGIN, then the new
+/// row's id kept in `@inbox_marker` for `Backend::begun_marker_sql` (a handler's own inserts
+/// change `LAST_INSERT_ID()`). The values are hex literals, as a batch's claims: the text is
+/// new for every message and goes unprepared. Unlike `INSERT .. ON DUPLICATE KEY UPDATE`, a
+/// plain insert waits for a shared lock on a row another transaction holds: should that one
+/// roll back while two more wait, both may want the row and one fails with a deadlock, a
+/// transient error its message is tried again for. A duplicate's `dup_count` is not raised,
+/// as before: its transaction was rolled back.
+pub(super) fn claim_in_begin(
+    table: &TableName,
+    server: Server,
+    consumer: &str,
+    key: &str,
+    hash: Option<&str>,
+) -> Option<String> {
+    if !matches!(server, Server::MariaDb { .. }) {
+        return None;
+    }
+    let hash = match hash {
+        Some(hash) => format!("_utf8mb4 X'{}'", hex::encode(hash)),
+        None => "NULL".to_owned(),
+    };
+    Some(format!(
+        "INSERT INTO {table} (consumer, message_key, processed_at, payload_hash) \
+         VALUES (_utf8mb4 X'{}', X'{}', CURRENT_TIMESTAMP(6), {hash}); \
+         SET @inbox_marker = LAST_INSERT_ID()",
+        hex::encode(consumer),
+        hex::encode(key)
+    ))
+}
+
 /// The claims of a batch's `keys`, in order: in one statement on MariaDB from 10.5 (as
 /// `server` is known), else with `claim`, a marker's statement, per key.
 pub(super) async fn claim_many(
