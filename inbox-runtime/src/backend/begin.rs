@@ -150,8 +150,9 @@ impl<DB: Backend> Beginning<DB> {
     }
 
     /// Its session is about to carry a setting of its own (a relay pass's bound on an idle
-    /// transaction): closed rather than put back in the pool if dropped before
-    /// [`Beginning::untaint`], once the setting was given back.
+    /// transaction), or may be inside a transaction sqlx does not count (a claiming BEGIN
+    /// refused, [`Beginning::begin_then`]): closed rather than put back in the pool if dropped
+    /// before [`Beginning::untaint`], once the setting was given back or the transaction ended.
     pub(crate) fn taint(&mut self) {
         self.tainted = true;
     }
@@ -209,7 +210,8 @@ impl<DB: Backend> Beginning<DB> {
     /// [`Beginning::begin_with`], with `then` (statements of the dialect's,
     /// `Backend::claim_in_begin_sql`) sent after the BEGIN in its round trip. An error may
     /// come from `then`, after the BEGIN began a transaction that sqlx does not count: the
-    /// caller ends it.
+    /// connection is then [tainted](Beginning::taint), and the caller ends that transaction
+    /// (and [untaints](Beginning::untaint) it once ended).
     pub(crate) async fn begin_then(
         &mut self,
         begin: &Begin,
@@ -217,9 +219,15 @@ impl<DB: Backend> Beginning<DB> {
     ) -> Result<Transaction<'_, DB>, sqlx::Error> {
         let sql = format!("{}; {then}", self.begin_sql(begin).as_str());
         let Beginning {
-            conn, unanswered, ..
+            conn,
+            unanswered,
+            tainted,
+            ..
         } = self;
-        Self::begin_on(conn, unanswered, Some(AssertSqlSafe(sql).into_sql_str())).await
+        let begun = Self::begin_on(conn, unanswered, Some(AssertSqlSafe(sql).into_sql_str())).await;
+        // Refused after the BEGIN may have begun: tainted until the caller ended that.
+        *tainted |= begun.is_err();
+        begun
     }
 
     /// `begin`'s statement for this connection: the shorter on a [kept](Beginning::kept) one,
@@ -254,7 +262,8 @@ impl<DB: Backend> Beginning<DB> {
             Some(sql) => sqlx::Connection::begin_with(&mut **conn, sql).await,
             None => sqlx::Connection::begin(&mut **conn).await,
         };
-        // Answered (begun or refused): sqlx knows the connection's state again.
+        // Answered (begun or refused): sqlx knows the connection's state again, but for a
+        // refusal of statements sent after the BEGIN (`begin_then`, which taints it).
         *unanswered = false;
         tx
     }

@@ -47,7 +47,7 @@ impl<DB: InboxBackend> Inbox<DB> {
         key: &str,
         delivery: &Delivery,
     ) -> (bool, Result<Outcome, ProcessError>) {
-        conn.taint();
+        // Tainted already by the refused BEGIN (`Beginning::begin_then`).
         let duplicate = source
             .as_database_error()
             .is_some_and(|e| DB::is_duplicate_claim(e));
@@ -61,8 +61,13 @@ impl<DB: InboxBackend> Inbox<DB> {
             conn.untaint();
         }
         let outcome = match (duplicate, reused) {
+            // A database's refusal is most likely the claim's (a lock wait behind the key, a
+            // statement bound, a read-only server); the rest, the BEGIN's.
             (false, _) => Err(ProcessError::Database {
-                stage: Stage::Claim,
+                stage: match source.as_database_error() {
+                    Some(_) => Stage::Claim,
+                    None => Stage::Begin,
+                },
                 source,
             }),
             (true, None) => Ok(Outcome::Skip),

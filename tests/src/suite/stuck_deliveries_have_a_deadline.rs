@@ -81,3 +81,58 @@ super::behaviours!(
     repro_twin_of_a_frozen_peer_waits_forever,
     repro_hung_handler_holds_its_message_forever,
 );
+
+/// On MariaDB a worker's BEGIN claims the key in its round trip; a claim that waited out its
+/// lock timeout behind a frozen peer (1205) fails that BEGIN after it began a transaction the
+/// driver does not count, which is rolled back before the connection goes back to the pool:
+/// every connection of the worker's pool is out of any transaction while the message waits for
+/// its redelivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_timed_out_leaves_no_transaction_on_its_connection_on_mysql() {
+    type B = crate::backends::MySql;
+    let (db, _) = setup::<B>(2).await;
+    let pool = B::connect_acquiring(&db.url, 2, Duration::from_millis(500)).await;
+    let inbox = B::inbox(pool.clone());
+    let nats = NatsStream::create().await;
+    let consumer = nats.consumer("c", Duration::from_secs(30)).await;
+    let frozen = B::hold_in_transaction(
+        &db,
+        "INSERT INTO inbox (consumer, message_key) VALUES ('ledger', 'k')",
+    )
+    .await;
+    nats.publish_all([Entry::new("k", 1, 1).json()]).await;
+    // No redelivery while the pool is looked at.
+    let worker = nats
+        .worker(inbox.lock_timeout(Duration::from_secs(1)), consumer)
+        .deadline(Duration::from_secs(3))
+        .nak_delay(Duration::from_secs(60), Duration::from_secs(60))
+        .build_with_state(<B as TestBackend>::Ledger::default(), Probe::open())
+        .unwrap();
+    let run = Running::start(&worker);
+    wait_until(
+        "the twin to be nak'd",
+        Duration::from_secs(20),
+        async || worker.stats().nacked >= 1,
+    )
+    .await
+    .unwrap();
+    let mut conns = Vec::new();
+    for _ in 0..2 {
+        conns.push(
+            pool.acquire()
+                .await
+                .expect("a connection of the worker's pool"),
+        );
+    }
+    for conn in &mut conns {
+        let open: i64 = sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
+            .fetch_one(&mut **conn)
+            .await
+            .unwrap();
+        assert_eq!(open, 0, "a connection was left inside a transaction");
+    }
+    drop(conns);
+    frozen.rollback().await.expect("ROLLBACK");
+    let stats = run.stop().await;
+    assert_eq!(stats.acked, 0, "{stats:?}");
+}
