@@ -82,15 +82,5 @@ async fn a_duplicate_leaves_no_transaction_on_its_connection_on_mysql() {
     .unwrap();
     let stats = run.stop().await;
     assert_eq!(stats.skipped, 1, "{stats:?}");
-    let mut conns = Vec::new();
-    for _ in 0..2 {
-        conns.push(db.pool.acquire().await.expect("a connection of the pool"));
-    }
-    for conn in &mut conns {
-        let open: i64 = sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
-            .fetch_one(&mut **conn)
-            .await
-            .unwrap();
-        assert_eq!(open, 0, "a connection was left inside a transaction");
-    }
+    super::assert_no_transaction_left_on_mysql(&db.pool, 2).await;
 }

@@ -87,3 +87,19 @@ async fn setup<B: TestBackend>(max: u32) -> (TestDb<B::Db>, Inbox<B::Db>) {
     inbox.migrate().await.expect("migrate the inbox");
     (db, inbox)
 }
+
+/// Takes all `size` connections of `pool` (MariaDB's) and asserts that none is inside a
+/// transaction: one left inside would run the pool's next user's statements in it, uncommitted.
+async fn assert_no_transaction_left_on_mysql(pool: &sqlx::MySqlPool, size: usize) {
+    let mut conns = Vec::new();
+    for _ in 0..size {
+        conns.push(pool.acquire().await.expect("a connection of the pool"));
+    }
+    for conn in &mut conns {
+        let open: i64 = sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
+            .fetch_one(&mut **conn)
+            .await
+            .expect("@@in_transaction (MariaDB)");
+        assert_eq!(open, 0, "a connection was left inside a transaction");
+    }
+}

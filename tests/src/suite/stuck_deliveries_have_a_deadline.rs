@@ -116,22 +116,7 @@ async fn a_claim_that_timed_out_leaves_no_transaction_on_its_connection_on_mysql
     )
     .await
     .unwrap();
-    let mut conns = Vec::new();
-    for _ in 0..2 {
-        conns.push(
-            pool.acquire()
-                .await
-                .expect("a connection of the worker's pool"),
-        );
-    }
-    for conn in &mut conns {
-        let open: i64 = sqlx::query_scalar("SELECT CAST(@@in_transaction AS SIGNED)")
-            .fetch_one(&mut **conn)
-            .await
-            .unwrap();
-        assert_eq!(open, 0, "a connection was left inside a transaction");
-    }
-    drop(conns);
+    super::assert_no_transaction_left_on_mysql(&pool, 2).await;
     frozen.rollback().await.expect("ROLLBACK");
     let stats = run.stop().await;
     assert_eq!(stats.acked, 0, "{stats:?}");
