@@ -21,7 +21,7 @@
 
 use super::Inbox;
 use super::held;
-use super::process::Marker;
+use super::process::{Inserted, Marker};
 use crate::backend::{self, Begin, Beginning, Claimed, InboxBackend};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
@@ -255,12 +255,12 @@ impl<DB: InboxBackend> Inbox<DB> {
                 .iter()
                 .map(|&i| deliveries[i].payload_hash.as_deref())
                 .collect();
-            let first = (Some(claimed[0]), H::CONSUMER, keys[claimed_at[0]]);
+            let first = Inserted::Unfinished(claimed[0]);
+            let first = (&first, H::CONSUMER, keys[claimed_at[0]]);
             let held = held.take();
             // The finish below finds every marker or rolls back: it checks them after the rows.
             let (table, server) = (self.table(), self.facts.server());
-            let written =
-                held::insert_if_marked::<DB>(&mut tx, table, &held, first, None, server, true);
+            let written = held::insert_if_marked::<DB>(&mut tx, table, &held, first, server, true);
             let finished = match written.await {
                 Ok(true) => DB::finish_many(&mut tx, self.table(), &claimed, &hashes).await,
                 Ok(false) => Ok(Default::default()),
@@ -411,9 +411,8 @@ impl<DB: InboxBackend> Inbox<DB> {
                     .map_err(|e| ProcessError::Handler(e.into()))?;
                 // As for one message: the marker must still be there to be finished.
                 let marker = Marker {
-                    id: Some(id),
+                    inserted: Inserted::Unfinished(id),
                     consumer: H::CONSUMER,
-                    finished: false,
                 };
                 self.finish(&mut savepoint, marker, Vec::new(), keys[i], delivery)
                     .await

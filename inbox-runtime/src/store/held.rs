@@ -13,8 +13,8 @@
 //! in another transaction (the handler's own, or a savepoint it opened with `tx.begin()`, which
 //! it may roll back) is inserted at once, as outside a worker.
 
+use super::process::Inserted;
 use crate::backend::{InboxBackend, NewOutboxRow, Server, TableName};
-use sqlx::SqlStr;
 use std::cell::RefCell;
 use std::future::Future;
 
@@ -145,16 +145,17 @@ fn chunk_len(rows: &[HeldRow]) -> usize {
 /// one row (as it has since it came in), and for several only where the markers are `rechecked`
 /// after the rows in the same transaction (a batch's finish, which rolls back whatever
 /// transaction the session is in when a marker is gone). A marker the transaction's BEGIN
-/// inserted has no `id` here: `begun` reads it when the marker's statement needs it.
+/// inserted has its id read when the marker's statement needs it.
 pub(crate) async fn insert_if_marked<DB: InboxBackend>(
     conn: &mut DB::Connection,
     inbox: &TableName,
     rows: &[HeldRow],
-    (mut id, consumer, key): (Option<i64>, &str, &str),
-    begun: Option<&SqlStr>,
+    (inserted, consumer, key): (&Inserted, &str, &str),
     server: Server,
     rechecked: bool,
 ) -> Result<bool, sqlx::Error> {
+    // A begun marker's id, once read.
+    let mut read = None;
     let mut start = 0;
     while start < rows.len() {
         let table = &rows[start].table;
@@ -186,16 +187,15 @@ pub(crate) async fn insert_if_marked<DB: InboxBackend>(
                 Err(e) => return Err(e),
             }
         }
-        let marker = match (id, begun) {
-            (Some(id), _) => id,
-            (None, Some(begun)) => match DB::fetch_id(conn, begun.clone(), consumer, key).await? {
-                Some(found) => *id.insert(found),
-                // Gone with the transaction that inserted it.
-                None => return Ok(false),
-            },
-            (None, None) => {
-                let what = "a marker with no id, and no statement to read it";
-                return Err(sqlx::Error::Protocol(what.into()));
+        let marker = match (inserted, read) {
+            (Inserted::Unfinished(id) | Inserted::Finished(id), _) => *id,
+            (Inserted::Begun(_), Some(id)) => id,
+            (Inserted::Begun(begun), None) => {
+                match DB::fetch_id(conn, begun.clone(), consumer, key).await? {
+                    Some(found) => *read.insert(found),
+                    // Gone with the transaction that inserted it.
+                    None => return Ok(false),
+                }
             }
         };
         let done = DB::insert_held(conn, (table, inbox), &chunk, (marker, consumer, key)).await;

@@ -11,7 +11,7 @@ use crate::classify::{is_outage, is_read_only};
 use crate::delivery::Delivery;
 use crate::error::{ProcessError, Stage};
 use crate::handler::{Handler, Outcome, message_key};
-use sqlx::Transaction;
+use sqlx::{SqlStr, Transaction};
 use tracing::Instrument;
 
 impl<DB: InboxBackend> Inbox<DB> {
@@ -83,16 +83,23 @@ impl<DB: InboxBackend> Inbox<DB> {
             // Where the dialect can, the BEGIN claims the key in its round trip.
             let hash = delivery.payload_hash.as_deref();
             let server = self.facts.server();
-            let claiming = (self.sql.claim_finished.is_some() && self.sql.begun.is_some())
-                .then(|| DB::claim_in_begin_sql(self.table(), server, H::CONSUMER, key, hash))
-                .flatten();
-            if let Some(claim) = claiming {
+            // Only a dialect that reads the begun marker back claims there.
+            let claiming = self
+                .sql
+                .begun
+                .as_ref()
+                .filter(|_| self.sql.claim_finished.is_some())
+                .and_then(|begun| {
+                    let claim =
+                        DB::claim_in_begin_sql(self.table(), server, H::CONSUMER, key, hash)?;
+                    Some((claim, begun.clone()))
+                });
+            if let Some((claim, begun)) = claiming {
                 let source = match conn.begin_then(&self.sql.begin, &claim).await {
                     Ok(tx) => {
                         let marker = Marker {
-                            id: None,
+                            inserted: Inserted::Begun(begun),
                             consumer: H::CONSUMER,
-                            finished: true,
                         };
                         let (tx, handled) = self
                             .handle(tx, handler, state, message, delivery, marker)
@@ -290,9 +297,11 @@ impl<DB: InboxBackend> Inbox<DB> {
             .await
             .map_err(|e| ProcessError::Handler(e.into()))?;
         let marker = Marker {
-            id: Some(id),
+            inserted: match finished {
+                true => Inserted::Finished(id),
+                false => Inserted::Unfinished(id),
+            },
             consumer: H::CONSUMER,
-            finished,
         };
         Ok(Some((marker, held)))
     }
@@ -372,46 +381,32 @@ impl<DB: InboxBackend> Inbox<DB> {
         let found = match held.is_empty() {
             true => None,
             false => {
-                let marked = (marker.id, marker.consumer, key);
+                let marked = (&marker.inserted, marker.consumer, key);
                 // Nothing checks the marker after the rows: they go by it (or, one row, by
                 // the server's check of the transaction).
                 let server = self.facts.server();
-                let begun = self.sql.begun.as_ref();
-                let insert = held::insert_if_marked::<DB>(
-                    conn,
-                    self.table(),
-                    &held,
-                    marked,
-                    begun,
-                    server,
-                    false,
-                );
+                let insert =
+                    held::insert_if_marked::<DB>(conn, self.table(), &held, marked, server, false);
                 Some(insert.await.map_err(failed)?)
             }
         };
-        let gone = match (found, marker.finished) {
+        let gone = match (found, marker.inserted) {
             (Some(false), _) => true,
             // Found by the rows' insert: the lookup's answer already.
-            (Some(true), true) => false,
+            (Some(true), Inserted::Finished(_) | Inserted::Begun(_)) => false,
             // The key's finished marker as this transaction sees it: its own while it holds
             // it; after a rollback, none, or a twin's committed since (another id, unless
             // SQLite gave it the rolled-back row's).
-            (None, true) => match (marker.id, &self.sql.begun) {
-                (Some(id), _) => {
-                    let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
-                    done.await.map_err(failed)? != Some(id)
-                }
-                // Inserted by the BEGIN: whether the transaction still holds it.
-                (None, Some(begun)) => {
-                    let ours = DB::fetch_id(conn, begun.clone(), marker.consumer, key);
-                    ours.await.map_err(failed)?.is_none()
-                }
-                (None, None) => return Err(failed(unknown_marker())),
-            },
-            (_, false) => {
-                let Some(id) = marker.id else {
-                    return Err(failed(unknown_marker()));
-                };
+            (None, Inserted::Finished(id)) => {
+                let done = DB::fetch_id(conn, self.sql.done.clone(), marker.consumer, key);
+                done.await.map_err(failed)? != Some(id)
+            }
+            // Inserted by the BEGIN: whether the transaction still holds it.
+            (None, Inserted::Begun(begun)) => {
+                let ours = DB::fetch_id(conn, begun, marker.consumer, key);
+                ours.await.map_err(failed)?.is_none()
+            }
+            (_, Inserted::Unfinished(id)) => {
                 let hash = delivery.payload_hash.as_deref();
                 let finish = DB::execute_finish(conn, self.sql.finish.clone(), id, hash);
                 DB::rows_affected(&finish.await.map_err(failed)?) == 0
@@ -426,14 +421,24 @@ impl<DB: InboxBackend> Inbox<DB> {
     }
 }
 
-/// A marker the message's transaction inserted: its id (`None`: inserted by the BEGIN, read by
-/// `InboxStatements::begun` where needed), its consumer, and whether the claim inserted it
-/// finished (`InboxStatements::claim_finished`) or `Inbox::finish` sets its `processed_at`.
-#[derive(Debug, Clone, Copy)]
+/// A marker the message's transaction inserted, and its consumer.
+#[derive(Debug, Clone)]
 pub(crate) struct Marker {
-    pub id: Option<i64>,
+    pub inserted: Inserted,
     pub consumer: &'static str,
-    pub finished: bool,
+}
+
+/// How a marker was inserted, and so how `Inbox::finish` checks it and where its id comes from.
+#[derive(Debug, Clone)]
+pub(crate) enum Inserted {
+    /// By the claim (row id), its `processed_at` left for `Inbox::finish` to set.
+    Unfinished(i64),
+    /// By the claim (row id), finished (`InboxStatements::claim_finished`).
+    Finished(i64),
+    /// By the transaction's BEGIN (`Backend::claim_in_begin_sql`), finished; its id read, where
+    /// a statement needs it, by this statement (`InboxStatements::begun`, binding consumer and
+    /// key).
+    Begun(SqlStr),
 }
 
 /// Rolls `tx` back now rather than on drop, so that the connection returns to the pool clean.
@@ -446,9 +451,4 @@ async fn roll_back<DB: InboxBackend>(tx: Transaction<'_, DB>) -> bool {
             false
         }
     }
-}
-
-/// A marker without an id where the dialect has no statement to read it: never written so.
-fn unknown_marker() -> sqlx::Error {
-    sqlx::Error::Protocol("a marker with no id, and no statement to read it".into())
 }
