@@ -1,6 +1,7 @@
 //! The `credit` example: credits accounts exactly once per message and announces each credit
 //! through its transactional outbox.
 
+use crate::balances::{MYSQL_BALANCES, POSTGRES_BALANCES, SQLITE_BALANCES};
 use crate::startup::{
     Backends, ConsumerSpec, DatabaseSpec, Example, NatsConnector, StartError, jetstream_consumer,
     start_database, stream_start_error, until_up,
@@ -8,8 +9,8 @@ use crate::startup::{
 use crate::{Error, MAX_AGE, NatsAuth, RETENTION, Vars, observe, orders, redact};
 use async_nats::jetstream::{self, stream};
 use inbox_runtime::{
-    AckMode, App, Delivery, Durable, Handler, Inbox, InboxBackend, Outbox, OutboxMessage, Relay,
-    Stats, Tx, WorkerBuilder, idempotent,
+    AckMode, App, BoxError, Delivery, Durable, Handler, Inbox, InboxBackend, Outbox, OutboxMessage,
+    Relay, Stats, Tx, WorkerBuilder, idempotent,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::{MySql, MySqlPool, PgPool, Pool, Postgres, Sqlite, SqlitePool};
@@ -117,33 +118,25 @@ impl LastDeliveryHold {
     }
 }
 
-/// Adds `msg.amount` to the account's balance in PostgreSQL, creating the account when new,
-/// and announces it ([`CreditApplied`]) through the outbox. (`delivery` only serves the
-/// test-only [`LastDeliveryHold`].)
+/// Adds `msg.amount` to the account's balance in PostgreSQL and announces it ([`CreditApplied`])
+/// through the outbox. (`delivery` only serves the test-only [`LastDeliveryHold`].)
 ///
-/// A credit that would take a balance below zero violates the `accounts` CHECK constraint: a
-/// genuine error that rolls back the marker (and the announcement) too, never a duplicate. The
-/// row an upsert proposes is checked before its conflict is (on every backend), so an existing
-/// account is proposed with 0 and the amount added on conflict: a debit the balance covers is
-/// applied, one it does not cover (or on an account never credited) is refused.
+/// A credit creates the account when new; a debit the balance does not cover, or of an account
+/// never credited, is refused and rolls back the marker (and the announcement) too: see
+/// [`BalanceSql`](crate::BalanceSql).
 #[idempotent(consumer = "credit", key = msg.id, lane = msg.account)]
 pub async fn credit_postgres(
     msg: CreditRequested,
     tx: &mut Tx<Postgres>,
     state: &CreditState<Postgres>,
     delivery: &Delivery,
-) -> Result<(), sqlx::Error> {
+) -> Result<(), BoxError> {
     state.last_delivery_hold.on(delivery).await;
-    sqlx::query(
-        "INSERT INTO accounts (id, balance) \
-         VALUES ($1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = $1) THEN 0 ELSE $2 END) \
-         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + $2",
-    )
-    .bind(msg.account)
-    .bind(msg.amount)
-    .execute(&mut **tx)
-    .await?;
-    state.events.applied(tx, &msg).await
+    let balances = POSTGRES_BALANCES;
+    balances
+        .apply::<Postgres>(tx, msg.account, msg.amount)
+        .await?;
+    Ok(state.events.applied(tx, &msg).await?)
 }
 
 /// [`credit_postgres`] for MySQL and MariaDB.
@@ -153,19 +146,11 @@ pub async fn credit_mysql(
     tx: &mut Tx<MySql>,
     state: &CreditState<MySql>,
     delivery: &Delivery,
-) -> Result<(), sqlx::Error> {
+) -> Result<(), BoxError> {
     state.last_delivery_hold.on(delivery).await;
-    sqlx::query(
-        "INSERT INTO accounts (id, balance) \
-         SELECT a.id, IF(EXISTS (SELECT 1 FROM accounts WHERE id = a.id), 0, a.amount) \
-         FROM (SELECT ? AS id, ? AS amount) a \
-         ON DUPLICATE KEY UPDATE balance = balance + a.amount",
-    )
-    .bind(msg.account)
-    .bind(msg.amount)
-    .execute(&mut **tx)
-    .await?;
-    state.events.applied(tx, &msg).await
+    let balances = MYSQL_BALANCES;
+    balances.apply::<MySql>(tx, msg.account, msg.amount).await?;
+    Ok(state.events.applied(tx, &msg).await?)
 }
 
 /// [`credit_postgres`] for SQLite.
@@ -175,18 +160,13 @@ pub async fn credit_sqlite(
     tx: &mut Tx<Sqlite>,
     state: &CreditState<Sqlite>,
     delivery: &Delivery,
-) -> Result<(), sqlx::Error> {
+) -> Result<(), BoxError> {
     state.last_delivery_hold.on(delivery).await;
-    sqlx::query(
-        "INSERT INTO accounts (id, balance) \
-         VALUES (?1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = ?1) THEN 0 ELSE ?2 END) \
-         ON CONFLICT (id) DO UPDATE SET balance = balance + ?2",
-    )
-    .bind(msg.account)
-    .bind(msg.amount)
-    .execute(&mut **tx)
-    .await?;
-    state.events.applied(tx, &msg).await
+    let balances = SQLITE_BALANCES;
+    balances
+        .apply::<Sqlite>(tx, msg.account, msg.amount)
+        .await?;
+    Ok(state.events.applied(tx, &msg).await?)
 }
 
 /// Creates `accounts` in PostgreSQL when missing. Serialised by an advisory lock, since

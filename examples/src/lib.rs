@@ -6,6 +6,7 @@
 //! The binaries in `src/bin/` are thin `main`s over [`run`] and [`email::run`], configured from
 //! the environment (see [`Config::from_env`], [`email::EmailConfig::from_env`]).
 
+mod balances;
 mod config;
 mod credit;
 #[cfg(feature = "email")]
@@ -16,6 +17,7 @@ pub mod redact;
 mod startup;
 pub mod statements;
 
+pub use balances::*;
 pub use config::NatsAuth;
 pub(crate) use config::Vars;
 pub use credit::*;

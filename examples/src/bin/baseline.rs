@@ -1,7 +1,8 @@
 //! `baseline`: what `cargo xtask bench` measures the framework against, written without it.
 //!
 //! The credit transaction, the same as `credit`'s: BEGIN (SQLite: BEGIN IMMEDIATE), the claim
-//! (an insert into the inbox table; a duplicate rolls back here), the balance upsert, the outbox
+//! (an insert into the inbox table; a duplicate rolls back here), the balance change (`credit`'s
+//! statements, [`BalanceSql`]), the outbox
 //! row (the insert `Outbox::enqueue` runs: msg id = the request's id, subject
 //! `CREDIT_EVENTS_SUBJECT`, order key = the account, the headers `credit` writes, the JSON of
 //! [`CreditApplied`] as payload), COMMIT.
@@ -36,7 +37,10 @@
 
 use async_nats::jetstream::{self, message::PublishMessage, stream};
 use futures::StreamExt;
-use inbox_examples::{CreditApplied, CreditRequested};
+use inbox_examples::{
+    BalanceSql, CreditApplied, CreditRequested, MYSQL_BALANCES, POSTGRES_BALANCES, RowsAffected,
+    SQLITE_BALANCES,
+};
 use sqlx::pool::PoolOptions;
 use sqlx::{AssertSqlSafe, Database, MySql, Pool, Postgres, Sqlite};
 use std::io::Read;
@@ -55,7 +59,8 @@ struct Sql {
     preload: &'static str,
     begin: &'static str,
     claim: &'static str,
-    upsert: &'static str,
+    /// The balance change, as `credit` writes it.
+    balances: BalanceSql,
     /// `Outbox::enqueue`'s insert: binds msg id, subject, order key, headers (JSON), payload.
     outbox_insert: &'static str,
     /// The relay's read: the oldest pending rows, locked where the database can pass over
@@ -80,10 +85,7 @@ const POSTGRES: Sql = Sql {
     begin: "BEGIN",
     claim: "INSERT INTO inbox (consumer, message_key, processed_at) VALUES ($1, $2, now()) \
             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id",
-    // As `credit` writes it (see `credit_postgres`).
-    upsert: "INSERT INTO accounts (id, balance) \
-             VALUES ($1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = $1) THEN 0 ELSE $2 END) \
-             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + $2",
+    balances: POSTGRES_BALANCES,
     outbox_insert: "INSERT INTO outbox (msg_id, subject, order_key, headers, payload) \
                     VALUES ($1, $2, $3, $4, $5)",
     outbox_fetch: "SELECT id, msg_id, subject, payload FROM outbox WHERE sent_at IS NULL \
@@ -102,10 +104,7 @@ const MYSQL: Sql = Sql {
     begin: "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION",
     claim: "INSERT INTO inbox (consumer, message_key, processed_at) VALUES (?, ?, NOW(6)) \
             ON DUPLICATE KEY UPDATE dup_count = dup_count + 1",
-    upsert: "INSERT INTO accounts (id, balance) \
-             SELECT a.id, IF(EXISTS (SELECT 1 FROM accounts WHERE id = a.id), 0, a.amount) \
-             FROM (SELECT ? AS id, ? AS amount) a \
-             ON DUPLICATE KEY UPDATE balance = balance + a.amount",
+    balances: MYSQL_BALANCES,
     outbox_insert: "INSERT INTO outbox (msg_id, subject, order_key, headers, payload) \
                     VALUES (?, ?, ?, ?, ?)",
     outbox_fetch: "SELECT id, msg_id, subject, payload FROM outbox WHERE sent_at IS NULL \
@@ -125,9 +124,7 @@ const SQLITE: Sql = Sql {
     claim: "INSERT INTO inbox (consumer, message_key, processed_at) \
             VALUES (?1, ?2, strftime('%Y-%m-%dT%H:%M:%fZ', 'now')) \
             ON CONFLICT (consumer, message_key) DO NOTHING RETURNING id",
-    upsert: "INSERT INTO accounts (id, balance) \
-             VALUES (?1, CASE WHEN EXISTS (SELECT 1 FROM accounts WHERE id = ?1) THEN 0 ELSE ?2 END) \
-             ON CONFLICT (id) DO UPDATE SET balance = balance + ?2",
+    balances: SQLITE_BALANCES,
     outbox_insert: "INSERT INTO outbox (msg_id, subject, order_key, headers, payload) \
                     VALUES (?1, ?2, ?3, ?4, ?5)",
     // BEGIN IMMEDIATE holds the database's one writer already.
@@ -250,29 +247,6 @@ async fn contend<DB: Credit>(
     }
 }
 
-/// `rows_affected`, which sqlx has on each backend's result but not generically.
-trait RowsAffected {
-    fn rows(&self) -> u64;
-}
-
-impl RowsAffected for sqlx::postgres::PgQueryResult {
-    fn rows(&self) -> u64 {
-        self.rows_affected()
-    }
-}
-
-impl RowsAffected for sqlx::mysql::MySqlQueryResult {
-    fn rows(&self) -> u64 {
-        self.rows_affected()
-    }
-}
-
-impl RowsAffected for sqlx::sqlite::SqliteQueryResult {
-    fn rows(&self) -> u64 {
-        self.rows_affected()
-    }
-}
-
 /// The credit transaction and the relay's pass, for every database sqlx's generic executors can
 /// run them on.
 trait Credit: Database {
@@ -285,7 +259,7 @@ trait Credit: Database {
         account: i64,
         amount: i64,
         subject: &'a str,
-    ) -> impl Future<Output = Result<Option<Duration>, sqlx::Error>> + Send + 'a;
+    ) -> impl Future<Output = Result<Option<Duration>, Error>> + Send + 'a;
 
     /// One pass of the relay: publishes the oldest pending outbox rows and marks them sent, in
     /// one transaction; returns how many.
@@ -320,7 +294,7 @@ where
         account: i64,
         amount: i64,
         subject: &'a str,
-    ) -> Result<Option<Duration>, sqlx::Error> {
+    ) -> Result<Option<Duration>, Error> {
         let mut tx = pool.begin_with(sql.begin).await?;
         let started = Instant::now();
         let claim = sqlx::query::<DB>(sql.claim).bind("credit").bind(key);
@@ -335,11 +309,7 @@ where
             tx.rollback().await?;
             return Ok(None);
         }
-        sqlx::query::<DB>(sql.upsert)
-            .bind(account)
-            .bind(amount)
-            .execute(&mut *tx)
-            .await?;
+        sql.balances.apply::<DB>(&mut tx, account, amount).await?;
         // What `credit` announces, written as `Outbox::enqueue` writes it.
         let event = CreditApplied {
             id: key.to_owned(),
@@ -469,7 +439,7 @@ async fn db_loop<DB: Credit>(
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     if i >= total {
-                        return Ok::<_, sqlx::Error>((latency, claims));
+                        return Ok::<_, Error>((latency, claims));
                     }
                     let key = format!("loop-{i}");
                     let t = Instant::now();

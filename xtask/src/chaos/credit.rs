@@ -2,14 +2,15 @@
 //!
 //! **Publish**, on a private nats-server: N credit requests each published twice (once with
 //! `Nats-Msg-Id`, once without); a few to be dead-lettered at once, poison payloads (each a
-//! non-JSON text of its own) and overdraws (a CHECK violation); three valid requests published
+//! non-JSON text of its own) and overdraws (debits of accounts never credited); three valid requests published
 //! over a raw connection with a header block async-nats cannot parse (a non-ASCII byte in a
 //! name, a value that is not UTF-8, a control byte in a name), which no worker ever sees and the
 //! delivery-limit backstop dead-letters; and, last in the stream, a few credits to accounts never
 //! opened (a foreign-key violation), which the runtime redelivers with a delay until
 //! `max_deliver` and then dead-letters. Every message's stream sequence is kept from its PubAck.
-//! `credit`'s own schema has no payload that fails that way (its one upsert fails only with a
-//! CHECK violation or a data error, both dead-lettered at once, or transiently), so chaos creates
+//! `credit`'s own schema has no payload that fails that way (its statements fail only with a
+//! CHECK violation, a data error or a debit of no account, all dead-lettered at once, or
+//! transiently), so chaos creates
 //! `accounts` itself, as `credit` would plus a foreign key to `open_accounts`.
 //!
 //! **Supervise**: three `credit` processes (#0 batched, `CREDIT_BATCH`, its batches ordered by

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 /// Poison payloads: not JSON, dead-lettered at once.
 const POISON: usize = 5;
-/// Overdraws: a CHECK violation, dead-lettered at once.
+/// Overdraws: debits of accounts never credited, refused for good, dead-lettered at once.
 const OVERDRAWS: usize = 5;
 /// Credits to accounts never opened: a foreign-key violation, dead-lettered at `max_deliver`.
 const UNOPENED: usize = 3;
@@ -29,7 +29,8 @@ pub enum Kind {
     Request,
     /// Not JSON: dead-lettered at once.
     Poison,
-    /// Takes a balance below zero (a CHECK violation): dead-lettered at once.
+    /// Debits an account never credited (`credit` refuses it for good, `NoSuchAccount`):
+    /// dead-lettered at once.
     Overdraw,
     /// Credits an account never opened (a foreign-key violation): redelivered with a delay, then
     /// dead-lettered at delivery `max_deliver`, by the worker or, when the process holding that

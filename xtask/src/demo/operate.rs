@@ -40,7 +40,7 @@ async fn operate(part: Part<'_>, config: &CreditConfig, inbox: &Path) -> Result<
         logs,
         ..
     } = part;
-    // An account of this run alone, never credited: every debit would take it below zero.
+    // An account of this run alone, never credited: there is no balance to take a debit from.
     let account: i64 = i64::from_str_radix(&run[..6], 16).map_err(|e| e.to_string())? * 1_000 + 999;
     let key = |i: &str| format!("ops-{run}-{i}");
     let debits = (0..DEBITS).map(|i| {
