@@ -36,13 +36,17 @@ pub struct Run {
     pub deadlocks: Option<u64>,
     /// `credit`'s batches: tries ended by a conflict, and tries again, over every process.
     pub conflicts: Option<(u64, u64)>,
+    /// How long the relays went on after the consumer was drained (every message acked) until
+    /// the last outbox row was sent: when it is a large part of the run, the relay bounds it.
+    /// None for the loop, which relays nothing.
+    pub relay_tail_ms: Option<f64>,
 }
 
 /// The run's figures on one line, as the bench reports its progress.
 pub fn summary(run: &Run) -> String {
     let ms = |v: Option<f64>| v.map_or("-".to_owned(), |v| format!("{:.1} ms", v / 1000.0));
     format!(
-        "{:.0} msg/s, p50 {}, p99 {}, consumer {:.0} us/msg, nats-server {}, database {}, peak RSS {:.1} MiB, deadlocks {}, conflicts/retries {}{}",
+        "{:.0} msg/s, p50 {}, p99 {}, consumer {:.0} us/msg, nats-server {}, database {}, peak RSS {:.1} MiB, deadlocks {}, conflicts/retries {}{}{}",
         run.msgs_per_s,
         ms(run.latency_p50_us),
         ms(run.latency_p99_us),
@@ -57,6 +61,8 @@ pub fn summary(run: &Run) -> String {
             .map_or("-".to_owned(), |(c, r)| format!("{c}/{r}")),
         run.claim_p50_us
             .map_or(String::new(), |c| format!(", claim p50 {c:.0} us")),
+        run.relay_tail_ms
+            .map_or(String::new(), |t| format!(", relay tail {t:.0} ms")),
     )
 }
 

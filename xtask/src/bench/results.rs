@@ -54,6 +54,7 @@ pub fn backend_report(
                         "deadlocks": sum(c, &|r| r.deadlocks),
                         "conflicts": sum(c, &|r| r.conflicts.map(|(c, _)| c)),
                         "batch_retries": sum(c, &|r| r.conflicts.map(|(_, r)| r)),
+                        "relay_tail_ms": med(c, &|r| r.relay_tail_ms),
                     })
                 })
                 .collect();
@@ -83,6 +84,7 @@ pub fn backend_report(
                 "deadlocks": r.deadlocks,
                 "conflicts": r.conflicts.map(|(c, _)| c),
                 "batch_retries": r.conflicts.map(|(_, r)| r),
+                "relay_tail_ms": r.relay_tail_ms,
             })
         })
         .collect();

@@ -136,6 +136,7 @@ pub async fn loop_run(
             claim_p50_us: Some(field("claim_p50_us")?),
             deadlocks: None,
             conflicts: None,
+            relay_tail_ms: None,
         })
     }
     .await;
@@ -393,10 +394,16 @@ pub async fn consumer_run(
         };
         // ... and with every outbox row relayed: the relays' work is part of the run.
         let relayed = Relayed::open(backend, &db.url).await?;
-        let (t1, me1, (nats1, db1)) = loop {
+        // When every message was acked, the relays perhaps not done.
+        let mut acked: Option<Instant> = None;
+        let (t1, me1, (nats1, db1), tail) = loop {
             let info = consumer.info().await.map_err(|e| e.to_string())?;
-            if info.num_pending == 0 && info.num_ack_pending == 0 && relayed.all().await? {
-                break (Instant::now(), all(&pids)?, servers()?);
+            if info.num_pending == 0 && info.num_ack_pending == 0 {
+                let acked = *acked.get_or_insert_with(Instant::now);
+                if relayed.all().await? {
+                    let now = Instant::now();
+                    break (now, all(&pids)?, servers()?, now - acked);
+                }
             }
             if t0.elapsed() > DEADLINE || exited(&mut children) {
                 return Err(format!("not drained: {info:?}"));
@@ -447,6 +454,7 @@ pub async fn consumer_run(
             claim_p50_us: None,
             deadlocks: None,
             conflicts,
+            relay_tail_ms: Some(tail.as_secs_f64() * 1000.0),
         })
     }
     .await;
