@@ -50,8 +50,8 @@ pub const SQLITE_BALANCES: BalanceSql = BalanceSql {
 
 impl BalanceSql {
     /// Adds `amount` to `account`'s balance in `conn` (a transaction's connection): the
-    /// credit's statement or the debit's ([`BalanceSql::change`]), then
-    /// [`BalanceSql::refused`]. A database error comes back as the `sqlx::Error` it is.
+    /// credit's statement (`amount` ≥ 0) or the debit's, then [`BalanceSql::refused`] with the
+    /// rows it affected. A database error comes back as the `sqlx::Error` it is.
     pub async fn apply<DB>(
         &self,
         conn: &mut DB::Connection,
@@ -72,8 +72,8 @@ impl BalanceSql {
     }
 
     /// The statement that adds `amount` to `account`'s balance, bound: the credit's or the
-    /// debit's. Run it, then ask [`BalanceSql::refused`] with its rows affected.
-    pub fn change<'q, DB>(&self, account: i64, amount: i64) -> Query<'q, DB, DB::Arguments>
+    /// debit's.
+    fn change<'q, DB>(&self, account: i64, amount: i64) -> Query<'q, DB, DB::Arguments>
     where
         DB: Database,
         i64: Encode<'q, DB> + Type<DB>,
@@ -88,7 +88,7 @@ impl BalanceSql {
         }
     }
 
-    /// What refuses the change [`BalanceSql::change`] made, given the rows it affected: a
+    /// What refuses a balance change, given the rows its statement affected: a
     /// debit that changed no row found no account ([`NoSuchAccount`], marked [`Permanent`]).
     /// A credit is never refused here (an upsert that adds 0 may change no row on MySQL).
     pub fn refused(account: i64, amount: i64, rows_affected: u64) -> Option<BoxError> {

@@ -80,9 +80,17 @@ impl EmailConfig {
 
 /// Sends SIGTERM to process `pid`, as an operator stopping it would.
 pub fn terminate(pid: u32) -> Result<(), String> {
+    signal(pid, "TERM")
+}
+
+/// Sends signal `name` (`TERM`, `STOP`, `CONT`, ...: the name without `SIG`) to process `pid`.
+pub fn signal(pid: u32, name: &str) -> Result<(), String> {
     use nix::sys::signal::{Signal, kill};
-    kill(nix::unistd::Pid::from_raw(pid as i32), Signal::SIGTERM)
-        .map_err(|e| format!("kill -TERM {pid}: {e}"))
+    let signal: Signal = format!("SIG{name}")
+        .parse()
+        .map_err(|e| format!("signal {name}: {e}"))?;
+    kill(nix::unistd::Pid::from_raw(pid as i32), signal)
+        .map_err(|e| format!("kill -{name} {pid}: {e}"))
 }
 
 /// A running example process (`credit` or `email`). Its stdout is piped (it prints one summary line there when it
@@ -215,16 +223,11 @@ impl CreditProcess {
 
     /// Sends signal `name` (`TERM`, `STOP`, `CONT`).
     fn signal(&self, name: &str) -> Result<(), String> {
-        use nix::sys::signal::{Signal, kill};
         let pid = self
             .child
             .id()
             .ok_or_else(|| format!("{} has already exited", self.name))?;
-        let signal: Signal = format!("SIG{name}")
-            .parse()
-            .map_err(|e| format!("signal {name}: {e}"))?;
-        kill(nix::unistd::Pid::from_raw(pid as i32), signal)
-            .map_err(|e| format!("kill -{name} {pid} ({}): {e}", self.name))
+        signal(pid, name).map_err(|e| format!("{e} ({})", self.name))
     }
 
     /// Kills it at once (SIGKILL), as a crash would, and reaps it.

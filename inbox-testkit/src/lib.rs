@@ -36,7 +36,9 @@ mod sink;
 mod wait;
 
 pub use cluster::PrivateCluster;
-pub use credit::{CreditConfig, CreditProcess, EmailConfig, LastDeliveryHolds, Summary, terminate};
+pub use credit::{
+    CreditConfig, CreditProcess, EmailConfig, LastDeliveryHolds, Summary, signal, terminate,
+};
 pub use db::{Backend, Database, remove_sqlite_files, with_database};
 pub use nats::{
     Backlog, NATS_SERVER_ENV, Outgoing, PrivateNats, backlog, connect, consumer_ready,

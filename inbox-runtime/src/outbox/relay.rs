@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 pub const DEFAULT_RETENTION: Duration = Duration::from_secs(3600);
 
 /// Rows one pass takes by default.
-const DEFAULT_BATCH: u32 = 100;
+const DEFAULT_BATCH: u32 = 500;
 
 /// Payload and header bytes one pass loads at most by default (a pass always takes its first
 /// row, whatever its size).
@@ -117,7 +117,7 @@ impl<DB: InboxBackend> Clone for Relay<DB> {
 }
 
 impl<DB: InboxBackend> Relay<DB> {
-    /// A relay of `outbox`: batches of 100 rows, a poll every second, sent rows kept an hour.
+    /// A relay of `outbox`: batches of 500 rows, a poll every second, sent rows kept an hour.
     pub fn new(outbox: Outbox<DB>) -> Self {
         Relay {
             outbox,

@@ -19,7 +19,9 @@
 //! `credit`'s batch conflicts and retries.
 //!
 //! Each run gets a fresh database and a fresh stream on one private nats-server. A consumer run
-//! drains a backlog of N messages (throughput, CPU per message of the consumer process and of
+//! drains a backlog of N messages, published while its processes, started and pulling, are
+//! frozen (SIGSTOP), and timed from the moment they are let go (SIGCONT) until every message is
+//! acked and every outbox row relayed (throughput, CPU per message of the consumer process and of
 //! nats-server, from `/proc/<pid>/stat`, which holds what getrusage reports; peak RSS, the
 //! kernel's `VmHWM`), then takes a paced load (publish to commit latency: the time from a
 //! message's publish to the moment its ack, sent after the commit, reaches a subscriber of the

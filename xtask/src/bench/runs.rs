@@ -280,6 +280,12 @@ async fn expect_line(
         .map_err(|_| format!("no {prefix:?} line within {DEADLINE:?}"))?
 }
 
+/// Sends signal `name` to every process of `pids`.
+fn signal_all(pids: &[u32], name: &str) -> Result<(), String> {
+    pids.iter()
+        .try_for_each(|&pid| inbox_testkit::signal(pid, name))
+}
+
 /// Contenders 2 to 4, in `shape.processes` processes on one durable consumer.
 pub async fn consumer_run(
     options: &Options,
@@ -326,33 +332,39 @@ pub async fn consumer_run(
                 options, backend, contender, binaries, nats, &db, &name,
             )?);
         }
-        // Every process started (connected, migrated, pulling) before the backlog is published,
-        // so that none's start-up falls inside the measured drain; publishing is much faster
-        // than the drain.
+        // Every process started (connected, migrated, pulling) and then frozen (SIGSTOP) while
+        // the backlog is published, so that neither their start-up nor the publishing falls inside
+        // the measured drain, and every message is counted: a consumer that ran meanwhile would
+        // take most of the backlog before the clock started (`BENCH_WRAP` must `exec`).
         let mut consumer: jetstream::consumer::PullConsumer = stream
             .get_consumer(durable)
             .await
             .map_err(|e| e.to_string())?;
+        let exited = |children: &mut Vec<Child>| {
+            children
+                .iter_mut()
+                .any(|c| c.try_wait().ok().flatten().is_some())
+        };
         let started = Instant::now();
         loop {
             let info = consumer.info().await.map_err(|e| e.to_string())?;
             if info.num_waiting as usize >= shape.processes {
                 break;
             }
-            if started.elapsed() > DEADLINE
-                || children
-                    .iter_mut()
-                    .any(|c| c.try_wait().ok().flatten().is_some())
-            {
+            if started.elapsed() > DEADLINE || exited(&mut children) {
                 return Err("the contenders never pulled".into());
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        publish_and_wait(&js, &subject, (0..n).map(|i| request(&name, i, accounts))).await?;
         let pids: Vec<u32> = children
             .iter()
             .map(|c| c.id().ok_or("a contender exited at once"))
             .collect::<Result<_, _>>()?;
+        // What tells that every outbox row was relayed: the relays' work is part of the run.
+        let relayed = Relayed::open(backend, &db.url).await?;
+        // A run that fails while they are frozen kills them (`kill_on_drop`).
+        signal_all(&pids, "STOP")?;
+        publish_and_wait(&js, &subject, (0..n).map(|i| request(&name, i, accounts))).await?;
         let nats_pid = nats.pid().ok_or("the private nats-server is not running")?;
         let all = |pids: &[u32]| -> Result<Usage, String> {
             let mut sum = Usage {
@@ -370,30 +382,12 @@ pub async fn consumer_run(
         let servers = || -> Result<(f64, Option<f64>), String> {
             Ok((usage(nats_pid, tick)?.cpu_s, db_cpu(backend, tick)?))
         };
-        let exited = |children: &mut Vec<Child>| {
-            children
-                .iter_mut()
-                .any(|c| c.try_wait().ok().flatten().is_some())
-        };
-        // The drain starts at the first delivery and ends when nothing is pending or unacked.
-        let started = Instant::now();
-        let (t0, acked0, me0, (nats0, db0)) = loop {
-            let info = consumer.info().await.map_err(|e| e.to_string())?;
-            if info.delivered.consumer_sequence > 0 {
-                break (
-                    Instant::now(),
-                    info.ack_floor.stream_sequence,
-                    all(&pids)?,
-                    servers()?,
-                );
-            }
-            if started.elapsed() > DEADLINE || exited(&mut children) {
-                return Err("the contender never took a message".into());
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        };
-        // ... and with every outbox row relayed: the relays' work is part of the run.
-        let relayed = Relayed::open(backend, &db.url).await?;
+        // The drain starts when the contenders are let go, the whole backlog waiting for them
+        // (the first batches already in their sockets), and ends when nothing is pending or
+        // unacked, and every outbox row relayed.
+        let (me0, (nats0, db0)) = (all(&pids)?, servers()?);
+        let t0 = Instant::now();
+        signal_all(&pids, "CONT")?;
         // When every message was acked, the relays perhaps not done.
         let mut acked: Option<Instant> = None;
         let (t1, me1, (nats1, db1), tail) = loop {
@@ -411,7 +405,7 @@ pub async fn consumer_run(
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         relayed.close().await;
-        let drained = (n as u64 - acked0) as f64;
+        let drained = n as f64;
         // Latency is measured with one process only.
         let (latencies, paced_n) = if shape.processes == 1 {
             let paced = paced(&client, &js, options, &name, &subject, n, accounts).await?;
