@@ -85,7 +85,7 @@ impl PrivateCluster {
             .join(",")
     }
 
-    /// How many nodes it has ([`NODES`]).
+    /// How many nodes it has (three).
     pub fn nodes(&self) -> usize {
         self.nodes.len()
     }
