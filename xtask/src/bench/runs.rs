@@ -365,6 +365,15 @@ pub async fn consumer_run(
         // A run that fails while they are frozen kills them (`kill_on_drop`).
         signal_all(&pids, "STOP")?;
         publish_and_wait(&js, &subject, (0..n).map(|i| request(&name, i, accounts))).await?;
+        // A frozen process acks nothing: an ack now means one was not frozen (a `BENCH_WRAP`
+        // that does not `exec` its program), and its figures would count work done off the clock.
+        let info = consumer.info().await.map_err(|e| e.to_string())?;
+        let waiting = info.num_pending + info.num_ack_pending as u64;
+        if info.ack_floor.stream_sequence > 0 || waiting < n as u64 {
+            return Err(format!(
+                "a contender took messages while frozen (BENCH_WRAP must exec the program): {info:?}"
+            ));
+        }
         let nats_pid = nats.pid().ok_or("the private nats-server is not running")?;
         let all = |pids: &[u32]| -> Result<Usage, String> {
             let mut sum = Usage {
