@@ -314,7 +314,23 @@ where
     let Some(pool) = until_up("the database", shutdown, connect).await? else {
         return Ok(None);
     };
-    E::create_tables(&part, &pool).await?;
+    // A connection of the pool lost meanwhile (the database restarting, its sessions ended by
+    // a failover or an operator) fails the statement: waited out like a database that is down.
+    let create = || async {
+        E::create_tables(&part, &pool).await.map_err(|e| {
+            if is_transient::<E::Db>(&e) {
+                StartError::Down(format!("{shown}: creating the example's tables: {e}"))
+            } else {
+                StartError::Fatal(
+                    format!("cannot create the example's tables in {shown}: {e}").into(),
+                )
+            }
+        })
+    };
+    if until_up("the database", shutdown, create).await?.is_none() {
+        pool.close().await;
+        return Ok(None);
+    }
     let inbox = Inbox::new(pool.clone());
     inbox.migrate().await?;
     let output = example.run(part, inbox).await?;

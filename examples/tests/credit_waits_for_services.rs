@@ -117,3 +117,34 @@ async fn repro_nats_server_list_is_refused() {
     works_once_back(credit, &server.url, &db).await;
     let _ = std::fs::remove_file(&log);
 }
+
+/// The database answers at start, and then the connection `credit` creates its tables on is lost
+/// (the database restarting, its sessions ended by a failover or an operator): CI's chaos run
+/// caught `credit` exiting there. It waits that out like a database that is down, and works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credit_waits_out_a_connection_lost_while_creating_its_tables() {
+    let (db, log) = database("tables").await;
+    let server = PrivateNats::start().await.unwrap();
+    let mut proxy = TcpProxy::reserve().unwrap();
+    // TLS off: the trap reads the statement in clear.
+    let (upstream, through_proxy) = inbox_tests::through_proxy(&db.url, proxy.port);
+    proxy.lose_reply_to(b"CREATE TABLE IF NOT EXISTS accounts");
+    proxy.start(&upstream).await.unwrap();
+    let credit = spawn_credit(&through_proxy, &server.url, &log);
+    wait_until(
+        "the CREATE TABLE sent",
+        Duration::from_secs(60),
+        async || proxy.trap_sprung(),
+    )
+    .await
+    .unwrap();
+    // Every connection dropped, the server's sessions with them; new ones forwarded as before.
+    proxy.switch_to(&upstream);
+    works_once_back(credit, &server.url, &db).await;
+    assert!(
+        retries_logged(&log, "the database") >= 1,
+        "no retry logged: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    let _ = std::fs::remove_file(&log);
+}

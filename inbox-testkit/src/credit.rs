@@ -93,12 +93,17 @@ pub fn signal(pid: u32, name: &str) -> Result<(), String> {
         .map_err(|e| format!("kill -{name} {pid}: {e}"))
 }
 
+/// How many of its log's last lines an error about a process that failed shows.
+const TAIL_LINES: usize = 15;
+
 /// A running example process (`credit` or `email`). Its stdout is piped (it prints one summary line there when it
 /// stops); its log (stderr) is appended to a file or discarded. Killed if dropped while running.
 #[derive(Debug)]
 pub struct CreditProcess {
     child: Child,
     name: &'static str,
+    /// Where its log goes, if anywhere.
+    log: Option<PathBuf>,
 }
 
 /// The counts from the last line of `credit` (or `email`): `credit stopped: applied=N skipped=N
@@ -201,7 +206,11 @@ impl CreditProcess {
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", binary.display()))?;
-        Ok(CreditProcess { child, name })
+        Ok(CreditProcess {
+            child,
+            name,
+            log: log.map(Path::to_owned),
+        })
     }
 
     /// Asks it to stop cleanly (SIGTERM), without waiting.
@@ -243,6 +252,21 @@ impl CreditProcess {
         matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
+    /// Where its log is and how it ends (its last [`TAIL_LINES`] lines: a process that failed
+    /// says why there), for an error about it; empty when its log is discarded.
+    fn log_tail(&self) -> String {
+        let Some(log) = &self.log else {
+            return String::new();
+        };
+        let text = match std::fs::read(log) {
+            Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(e) => return format!("; its log {}: {e}", log.display()),
+        };
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = lines[lines.len().saturating_sub(TAIL_LINES)..].join("\n");
+        format!("; its log {} ends:\n{tail}", log.display())
+    }
+
     /// Waits at most `deadline` for it to exit.
     pub async fn wait(&mut self, deadline: Duration) -> Result<ExitStatus, String> {
         tokio::time::timeout(deadline, self.child.wait())
@@ -264,8 +288,9 @@ impl CreditProcess {
         }
         if !status.success() {
             return Err(format!(
-                "{} exited with {status}; stdout: {out:?}",
-                self.name
+                "{} exited with {status}; stdout: {out:?}{}",
+                self.name,
+                self.log_tail()
             ));
         }
         Summary::parse_of(self.name, &out)
