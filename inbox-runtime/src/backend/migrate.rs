@@ -102,10 +102,12 @@ pub(crate) async fn migrate_racing<DB: InboxBackend>(
 ) -> Result<(), MigrateError> {
     let name = lock_name(table);
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-    // Each pooled connection may have been lost while idle (a pool that tests none on acquire,
-    // sessions ended by a failover or an operator just before, a process starting while it
-    // happens): one that fails is closed, not pooled, and the next try takes another.
-    let tries = ATTEMPTS + pool.options().get_max_connections();
+    // Each idle connection of the pool may have been lost while idle (a pool that tests none on
+    // acquire, sessions ended by a failover or an operator just before, a process starting
+    // while it happens): one that fails is closed, not pooled, and the next try takes another.
+    // As many tries as there were idle connections, and one more on a new connection: a
+    // database that is down fails once, as before, not once per pool timeout.
+    let tries = 1 + pool.num_idle() as u32;
     let mut tried = 1;
     let mut lock = loop {
         match FleetLock::take(pool, name.clone(), wait).await {
