@@ -26,12 +26,18 @@ impl<E: Into<Error>> From<E> for StartError {
     }
 }
 
-/// `e`, from opening the database at `shown` (its URL, redacted), as a start-up error.
-pub(crate) fn db_start_error<DB: InboxBackend>(shown: &str, e: sqlx::Error) -> StartError {
+/// `e`, from a start-up step (`doing`: "open the database") on the database at `shown` (its
+/// URL, redacted), as a start-up error: a transient one (the database down, a connection lost)
+/// is waited out, anything else stops the example.
+pub(crate) fn db_start_error<DB: InboxBackend>(
+    shown: &str,
+    doing: &str,
+    e: sqlx::Error,
+) -> StartError {
     if is_transient::<DB>(&e) {
-        StartError::Down(format!("{shown}: {e}"))
+        StartError::Down(format!("{shown}: {doing}: {e}"))
     } else {
-        StartError::Fatal(format!("cannot open the database at {shown}: {e}").into())
+        StartError::Fatal(format!("cannot {doing} at {shown}: {e}").into())
     }
 }
 
@@ -309,7 +315,10 @@ where
 {
     let connect = || {
         let pool = pool.clone().connect_with(options.clone());
-        async move { pool.await.map_err(|e| db_start_error::<E::Db>(shown, e)) }
+        async move {
+            let opened = pool.await;
+            opened.map_err(|e| db_start_error::<E::Db>(shown, "open the database", e))
+        }
     };
     let Some(pool) = until_up("the database", shutdown, connect).await? else {
         return Ok(None);
@@ -317,15 +326,8 @@ where
     // A connection of the pool lost meanwhile (the database restarting, its sessions ended by
     // a failover or an operator) fails the statement: waited out like a database that is down.
     let create = || async {
-        E::create_tables(&part, &pool).await.map_err(|e| {
-            if is_transient::<E::Db>(&e) {
-                StartError::Down(format!("{shown}: creating the example's tables: {e}"))
-            } else {
-                StartError::Fatal(
-                    format!("cannot create the example's tables in {shown}: {e}").into(),
-                )
-            }
-        })
+        let created = E::create_tables(&part, &pool).await;
+        created.map_err(|e| db_start_error::<E::Db>(shown, "create the example's tables", e))
     };
     if until_up("the database", shutdown, create).await?.is_none() {
         pool.close().await;

@@ -31,7 +31,31 @@ impl<DB: InboxBackend> FleetLock<DB> {
     /// Takes lock `name` on a connection of `pool`, waiting at most `wait` (in the database,
     /// where the wait shows as a session waiting for a lock) for another instance to release
     /// it; `None` when it still holds it then.
+    ///
+    /// An idle connection of the pool may have been lost while idle (a pool that tests none on
+    /// acquire, its sessions ended by a failover or an operator, a process starting while it
+    /// happens): one that fails is closed, not pooled, and the lock is asked for again on
+    /// another. As many tries as there were idle connections, and one more on a new connection:
+    /// a database that is down fails once, not once per pool timeout.
     pub(crate) async fn take(
+        pool: &Pool<DB>,
+        name: String,
+        wait: Duration,
+    ) -> Result<Option<Self>, sqlx::Error> {
+        let mut idle = pool.num_idle();
+        loop {
+            match Self::take_once(pool, name.clone(), wait).await {
+                Err(e) if idle > 0 && super::is_transient::<DB>(&e) => {
+                    tracing::debug!(lock = %name, error = %e, "a pooled connection was lost; taking the lock on another");
+                    idle -= 1;
+                }
+                taken => return taken,
+            }
+        }
+    }
+
+    /// [`FleetLock::take`] on the connection the pool hands out.
+    async fn take_once(
         pool: &Pool<DB>,
         name: String,
         wait: Duration,

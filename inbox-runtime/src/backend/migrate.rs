@@ -101,27 +101,10 @@ pub(crate) async fn migrate_racing<DB: InboxBackend>(
     then: &[String],
 ) -> Result<(), MigrateError> {
     let name = lock_name(table);
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-    // Each idle connection of the pool may have been lost while idle (a pool that tests none on
-    // acquire, sessions ended by a failover or an operator just before, a process starting
-    // while it happens): one that fails is closed, not pooled, and the next try takes another.
-    // As many tries as there were idle connections, and one more on a new connection: a
-    // database that is down fails once, as before, not once per pool timeout.
-    let tries = 1 + pool.num_idle() as u32;
-    let mut tried = 1;
-    let mut lock = loop {
-        match FleetLock::take(pool, name.clone(), wait).await {
-            Ok(Some(lock)) => break lock,
-            Ok(None) => return Err(lock_wait_error(table, &name, wait)),
-            Err(e) if tried < tries && super::is_transient::<DB>(&e) => {
-                tracing::debug!(error = %e, tried, %table, "taking the migration lock failed; retrying");
-                tokio::time::sleep(backoff.next()).await;
-                tried += 1;
-            }
-            Err(e) => return Err(e.into()),
-        }
+    let Some(mut lock) = FleetLock::take(pool, name.clone(), wait).await? else {
+        return Err(lock_wait_error(table, &name, wait));
     };
-    backoff.reset();
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     let mut attempt = 1;
     let result = loop {
         let attempt_result = async {
